@@ -1,0 +1,94 @@
+"""``triton.autotune`` whose choices persist on disk per GPU name and Triton version.
+
+A user's second process must not retune: the best config for each tuning key is stored in
+``$FUSELAB_CACHE_DIR`` (default ``~/.cache/fuselab``) ``/autotune/<gpu>/triton-<version>/<kernel>.json``.
+``FUSELAB_AUTOTUNE=0`` (read at import) keeps only each kernel's heuristic config: no tuning at all.
+Under the Triton interpreter timings mean nothing, so the tuner's ``do_bench`` is a constant.
+"""
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import triton
+from triton.runtime.autotuner import Autotuner
+
+from fuselab.kernels._runtime import INTERPRET, device_name
+
+AUTOTUNE = os.environ.get("FUSELAB_AUTOTUNE", "1") != "0"
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
+    gpu = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name())
+    return root / "autotune" / gpu / f"triton-{triton.__version__}"
+
+
+def _interpreter_bench(fn, quantiles=None, **kwargs):
+    return [1.0, 1.0, 1.0]
+
+
+class PersistentAutotuner(Autotuner):
+    """An Autotuner that reads and writes its choices in a JSON file (see module docstring)."""
+
+    def __init__(self, fn, configs, key, prune=None):
+        super().__init__(
+            fn,
+            fn.arg_names,
+            configs,
+            key,
+            reset_to_zero=None,
+            restore_value=None,
+            prune_configs_by={"early_config_prune": prune} if prune else None,
+            do_bench=_interpreter_bench if INTERPRET else None,
+        )
+        self.cache_results = True  # route every new key through check_disk_cache below
+        self.cache_file = cache_dir() / f"{fn.__name__}.json"
+
+    def _load(self) -> Dict[str, str]:
+        try:
+            return json.loads(self.cache_file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def check_disk_cache(self, tuning_key, configs: List[triton.Config], bench_fn: Callable) -> bool:
+        entry = repr(tuning_key)
+        by_name = {str(c): c for c in configs}
+        stored = self._load().get(entry)
+        if stored in by_name:
+            self.cache[tuning_key] = by_name[stored]
+            self.configs_timings = {}
+            return True
+        bench_fn()
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            db = self._load()  # re-read: another process may have added keys meanwhile
+            db[entry] = str(self.cache[tuning_key])
+            fd, tmp = tempfile.mkstemp(dir=self.cache_file.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(db, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.cache_file)
+        except OSError:
+            pass  # a read-only home still works, it just retunes next time
+        return False
+
+
+def autotune(configs: List[triton.Config], key: List[str], prune: Optional[Callable] = None,
+             heuristic: Optional[triton.Config] = None):
+    """Decorator like ``triton.autotune``; with FUSELAB_AUTOTUNE=0 only ``heuristic`` is kept."""
+    if not AUTOTUNE and heuristic is not None:
+        configs = [heuristic]
+
+    def decorate(fn):
+        return PersistentAutotuner(fn, configs, key, prune)
+
+    return decorate
+
+
+def bucket(n):
+    """Round a size up to a power of two so a new batch size reuses the tuned config."""
+    if isinstance(n, int):
+        return 1 << max(n - 1, 0).bit_length()
+    return n  # symbolic under torch.compile: inductor keeps its own tuning per graph

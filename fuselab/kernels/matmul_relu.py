@@ -1,0 +1,433 @@
+"""Fused matmul + bias + ReLU in Triton: ``Y = relu(A @ B + bias)``, forward and backward.
+
+One autotuned GEMM kernel serves all three products, switched by ``tl.constexpr`` flags:
+
+    forward   Y    = relu(A @ B + bias)
+    grad A    dA   = G @ B^T                  G = where(Y <= 0, 0, dY), applied while dY is loaded
+    grad B    dB^T = G^T @ A,  dbias = G^T @ 1 (row sums of the left operand, in the same pass)
+
+G is never written to memory, the mask comes from the saved output (no recomputed forward),
+and the masked operand is always the left one, which Hopper's wgmma reads from registers.
+The kernel has two bodies: a tiled pointer body for any strides (and the interpreter), and a
+persistent body that moves tiles with TMA descriptors, eligible when every operand has a
+unit-stride dimension and 16-byte aligned rows. The autotuner times both and keeps the faster.
+"""
+import functools
+import math
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._autotune import autotune, bucket
+from fuselab.kernels._runtime import (INTERPRET, check_same_device, check_same_dtype, has_tma, launch,
+                                      max_shared_memory, num_sms, register_op, uses_triton)
+
+# ----------------------------------------------------------------------------------------------
+# Autotune configs
+# ----------------------------------------------------------------------------------------------
+
+
+def _config(bm, bn, bk, stages, warps, tma=False, subtile=False, group_m=8):
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "TMA": tma,
+            "EPILOGUE_SUBTILE": subtile}
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+def gemm_configs():
+    """Configs timed by the autotuner; pruned per problem by ``_prune_configs``."""
+    if INTERPRET:  # timings mean nothing there: two small tiles exercise the tuner cheaply
+        return [_config(32, 32, 32, 1, 4, group_m=2), _config(16, 32, 16, 1, 4, group_m=2)]
+    # Hopper (sm_90) first: wgmma tiles are 64 rows per warpgroup, so 128x256 wants 8 warps.
+    pointer = [_config(*c) for c in [
+        (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
+        (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
+        (64, 64, 128, 4, 4), (64, 32, 128, 5, 4),  # few rows (M=64): more programs, deeper K
+        (128, 128, 32, 4, 8), (64, 64, 32, 4, 4)]]  # BLOCK_K=32: fp32 tiles, twice the bytes
+    # Persistent TMA body: the next tile's loads start while this tile's epilogue stores.
+    tma = [_config(*c, tma=True, subtile=s) for *c, s in [
+        (128, 256, 64, 3, 8, False), (128, 256, 64, 4, 8, True), (256, 128, 64, 3, 8, False),
+        (128, 128, 64, 4, 8, False), (64, 256, 64, 4, 4, False), (128, 128, 32, 4, 8, False)]]
+    return pointer + tma
+
+
+# Used when FUSELAB_AUTOTUNE=0: a tile that is good on Hopper for large 16-bit problems.
+HEURISTIC_CONFIG = _config(128, 128, 64, 4, 8)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop configs that overflow shared memory, need TMA where the layout forbids it,
+    or use tiles far larger than the problem."""
+    args = {**named_args, **kwargs}
+    es = args["a_ptr"].element_size()
+    smem = max_shared_memory()
+    m, n = args["M_BUCKET"], args["N_BUCKET"]
+    kept = []
+    for c in configs:
+        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        a_tiles = 2 if args["MASK_A"] else 1  # the mask is a second left tile
+        need = c.num_stages * (a_tiles * bm * bk + bk * bn) * es
+        if c.kwargs["TMA"]:
+            if not args["TMA_OK"]:
+                continue
+            need += bm * bn * es // (2 if c.kwargs["EPILOGUE_SUBTILE"] else 1)
+        if need > smem:
+            continue
+        if (bm > 64 and m <= 32) or (bn > 64 and n <= 32):
+            continue
+        kept.append(c)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@autotune(configs=gemm_configs(), prune=_prune_configs, heuristic=HEURISTIC_CONFIG,
+          key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_OK",
+               "HAS_BIAS", "MASK_A", "ROWSUM_A"])
+@triton.jit
+def matmul_relu_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, mask_ptr, rowsum_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk,
+    M_BUCKET, N_BUCKET, K_BUCKET,  # autotune keys only
+    HAS_BIAS: tl.constexpr, RELU: tl.constexpr, MASK_A: tl.constexpr, ROWSUM_A: tl.constexpr,
+    A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_OK: tl.constexpr,
+    INT64: tl.constexpr, PRECISION: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+):
+    """C = act(maskA(A) @ B + bias); optionally rowsum = maskA(A) @ 1. See the module docstring."""
+    if TMA:
+        _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
+                             stride_bk, stride_bn, stride_cm, HAS_BIAS, RELU, A_ROW_MAJOR,
+                             B_ROW_MAJOR, PRECISION, NUM_SMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                             EPILOGUE_SUBTILE)
+    else:
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, mask_ptr, rowsum_ptr, M, N, K, stride_am,
+                   stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk,
+                   pid_m, pid_n, HAS_BIAS, RELU, MASK_A, ROWSUM_A, INT64, PRECISION,
+                   BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row-blocks sweep the columns together, so B tiles stay in L2.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (tile_id // width) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % width) % group_size
+    pid_n = (tile_id % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _bias_relu(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, RELU: tl.constexpr):
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias[None, :].to(tl.float32)
+    if RELU:
+        acc = tl.where(acc < 0, 0.0, acc)  # not maximum(): NaN must propagate, as in torch.relu
+    return acc
+
+
+@triton.jit
+def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr, M, N, K, stride_am, stride_ak,
+               stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk, pid_m, pid_n,
+               HAS_BIAS: tl.constexpr, RELU: tl.constexpr, MASK_A: tl.constexpr,
+               ROWSUM_A: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    if INT64:  # offsets past 2**31 elements
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    # Rows/columns past the edge re-read valid ones (no load mask); the store drops them.
+    rm = offs_m % M
+    rn = offs_n % N
+    a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
+    if MASK_A:
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + offs_k[None, :] * stride_yk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rowsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if MASK_A:
+            # ReLU's gradient as torch computes it: zero where y <= 0 (also at exactly 0),
+            # passed through where y > 0 or y is NaN.
+            y = tl.load(y_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            a = tl.where(y <= 0, tl.zeros_like(a), a)
+            y_ptrs += BLOCK_K * stride_yk
+        if ROWSUM_A:
+            rowsum += tl.sum(a.to(tl.float32), axis=1)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if ROWSUM_A:  # one column of programs writes it: deterministic, no atomics
+        tl.store(rowsum_ptr + offs_m, rowsum.to(rowsum_ptr.dtype.element_ty),
+                 mask=(offs_m < M) & (pid_n == 0))
+    acc = _bias_relu(acc, bias_ptr, offs_n, N, HAS_BIAS, RELU)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+                         stride_bn, stride_cm, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
+                         A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
+                         PRECISION: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         EPILOGUE_SUBTILE: tl.constexpr):
+    # A column-major operand is described as its transpose and transposed back in shared memory.
+    if A_ROW_MAJOR:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [stride_ak, 1], [BLOCK_K, BLOCK_M])
+    if B_ROW_MAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [stride_bk, 1], [BLOCK_K, BLOCK_N])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+    C_BLOCK_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, C_BLOCK_N])
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            if A_ROW_MAJOR:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_ROW_MAJOR:
+                b = b_desc.load([off_k, off_n])
+            else:
+                b = b_desc.load([off_n, off_k]).T
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _bias_relu(acc, bias_ptr, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, RELU)
+        c = acc.to(c_ptr.dtype.element_ty)
+        if EPILOGUE_SUBTILE:  # two half-width stores halve the epilogue's shared memory
+            c0, c1 = c.reshape(BLOCK_M, 2, C_BLOCK_N).permute(0, 2, 1).split()
+            c_desc.store([off_m, off_n], c0)
+            c_desc.store([off_m, off_n + C_BLOCK_N], c1)
+        else:
+            c_desc.store([off_m, off_n], c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _needs_int64(*tensors: Optional[torch.Tensor]) -> bool:
+    # Largest element offset a program can form, with a block of slack past each edge.
+    return any(sum((s + 256) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31
+               for t in tensors if t is not None)
+
+
+def _tma_row_major(t: torch.Tensor) -> Optional[bool]:
+    """True/False if ``t`` (2-D) is row-/column-major with 16-byte aligned rows and base, else None."""
+    es = t.element_size()
+    if t.storage_offset() * es % 16:
+        return None
+    s0, s1 = t.stride()
+    if s1 == 1 and s0 * es % 16 == 0 and s0 >= t.shape[1]:
+        return True
+    if s0 == 1 and s1 * es % 16 == 0 and s1 >= t.shape[0]:
+        return False
+    return None
+
+
+def _tma_allocator(size: int, alignment: int, stream: Optional[int]):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+          mask: Optional[torch.Tensor] = None, rowsum: Optional[torch.Tensor] = None,
+          relu: bool = False, config: Optional[triton.Config] = None) -> None:
+    """``c = [relu](where(mask <= 0, 0, a) @ b + bias)`` and ``rowsum = that left operand @ 1``.
+
+    All 2-D with any strides (``mask`` shaped like ``a``); ``c`` and ``rowsum`` are written.
+    ``config`` bypasses the autotuner (tests and benchmarks of single configs).
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    if M == 0 or N == 0:  # nothing to multiply; a row sum over an empty C may still be due
+        if rowsum is not None:
+            rowsum.copy_((a if mask is None else _relu_grad(a, mask)).sum(1, dtype=torch.float32))
+        return
+    tma_ok = False
+    if has_tma(a.device) and mask is None and rowsum is None and K > 0:
+        tma_ok = (_tma_row_major(a) is not None and _tma_row_major(b) is not None
+                  and _tma_row_major(c) is True)
+        triton.set_allocator(_tma_allocator)  # TMA descriptors live in a small global scratch
+    precision = "tf32"
+    if a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        precision = "ieee"
+    sms = num_sms(a.device)
+
+    def grid(meta):
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(sms, tiles) if meta["TMA"] else tiles,)
+
+    if config is not None and config.kwargs["TMA"] and not tma_ok:
+        raise ValueError(f"config {config} needs TMA-compatible layouts")
+
+    y_strides = mask.stride() if mask is not None else (0, 0)
+    run = functools.partial(launch, matmul_relu_kernel, grid)
+    if config is not None:  # a fixed config bypasses the tuner, and with it torch.compile support
+        run = functools.partial(matmul_relu_kernel.fn[grid], **config.all_kwargs())
+    run(a, b, c, bias, mask, rowsum, M, N, K,
+           a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+           y_strides[0], y_strides[1], bucket(M), bucket(N), bucket(K),
+           HAS_BIAS=bias is not None, RELU=relu, MASK_A=mask is not None,
+           ROWSUM_A=rowsum is not None, A_ROW_MAJOR=a.stride(1) == 1,
+           B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=_needs_int64(a, b, c, mask),
+           PRECISION=precision, NUM_SMS=sms)
+
+
+# ----------------------------------------------------------------------------------------------
+# Op registration: forward, the two backward products, autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    check_same_device(a=a, b=b, bias=bias)
+    check_same_dtype(a=a, b=b, bias=bias)
+    if a.dim() < 1:
+        raise ValueError("a must have shape (..., K), got a 0-d tensor")
+    if b.dim() != 2:
+        raise ValueError(f"b must be 2-D with shape (K, N), got shape {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"K mismatch: a has shape {tuple(a.shape)} (K={a.shape[-1]}) "
+                         f"but b has shape {tuple(b.shape)} (K={b.shape[0]})")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
+        raise ValueError(f"bias must have shape (N,) = ({b.shape[1]},), got {tuple(bias.shape)}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., C) -> (rows, C), a view where the strides allow (also when a size is 0)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _relu_grad(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.where(y <= 0, torch.zeros_like(grad), grad)  # PyTorch's threshold_backward
+
+
+def _forward_fake(a, b, bias):
+    _check_inputs(a, b, bias)
+    return a.new_empty(*a.shape[:-1], b.shape[1])
+
+
+@register_op("fuselab::matmul_relu", fake=_forward_fake)
+def _matmul_relu_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    y = _forward_fake(a, b, bias)
+    a2, y2 = _rows(a), _rows(y)
+    if uses_triton(a):
+        _gemm(a2, b, y2, bias=bias, relu=True)
+    else:  # plain CPU: PyTorch's own kernels
+        y2.copy_(torch.relu(a2 @ b if bias is None else torch.addmm(bias, a2, b)))
+    return y
+
+
+def _grad_a_fake(grad, y, b):
+    return grad.new_empty(*grad.shape[:-1], b.shape[0])
+
+
+@register_op("fuselab::matmul_relu_grad_a", fake=_grad_a_fake)
+def _grad_a_op(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """dA = where(y <= 0, 0, grad) @ b^T, shaped like A."""
+    out = _grad_a_fake(grad, y, b)
+    g2, y2, out2 = _rows(grad), _rows(y), _rows(out)
+    if uses_triton(grad):
+        _gemm(g2, b.t(), out2, mask=y2)
+    else:
+        out2.copy_(_relu_grad(g2, y2) @ b.t())
+    return out
+
+
+def _grad_b_fake(grad, y, a, b):
+    return torch.empty_like(b), grad.new_empty(b.shape[1])
+
+
+@register_op("fuselab::matmul_relu_grad_b", fake=_grad_b_fake)
+def _grad_b_op(grad: torch.Tensor, y: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dB, dbias) = (a^T @ G, G^T @ 1) with G = where(y <= 0, 0, grad); dB laid out like b."""
+    grad_b, grad_bias = _grad_b_fake(grad, y, a, b)
+    g2, y2, a2 = _rows(grad), _rows(y), _rows(a)
+    if uses_triton(grad):  # computed as dB^T = G^T @ A so the masked operand is the left one
+        _gemm(g2.t(), a2, grad_b.t(), mask=y2.t(), rowsum=grad_bias)
+    else:
+        g = _relu_grad(g2, y2)
+        grad_b.copy_(a2.t() @ g)
+        grad_bias.copy_(g.sum(0, dtype=torch.float32))
+    return grad_b, grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias = inputs
+    ctx.save_for_backward(a, b, output)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    a, b, y = ctx.saved_tensors
+    need_a, need_b, need_bias = ctx.needs_input_grad
+    grad_a = grad_b = grad_bias = None
+    if need_a:
+        grad_a = torch.ops.fuselab.matmul_relu_grad_a(grad, y, b)
+    if need_b or (need_bias and ctx.has_bias):
+        grad_b, grad_bias = torch.ops.fuselab.matmul_relu_grad_b(grad, y, a, b)
+    return grad_a, grad_b if need_b else None, grad_bias if ctx.has_bias and need_bias else None
+
+
+_matmul_relu_op.register_autograd(_backward, setup_context=_setup_context)
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``relu(a @ b + bias)`` in one fused kernel, differentiable in ``a``, ``b`` and ``bias``.
+
+    Args:
+        a: (..., K), any leading batch dims and any strides (batch dims that cannot be flattened
+            without a copy are copied once).
+        b: (K, N), any strides: ``weight.t()`` is used as it is, with no copy.
+        bias: (N,) or None.
+    All three share one device and one dtype out of float16, bfloat16 and float32; the result
+    has that dtype, accumulated in fp32 (fp32 inputs use tf32 unless
+    ``torch.get_float32_matmul_precision() == "highest"``, the default). NaN propagates, the
+    gradient at an output of exactly 0 is 0. Raises ValueError/TypeError naming the bad shapes,
+    dtypes or devices.
+    """
+    return torch.ops.fuselab.matmul_relu(a, b, bias)
+
+
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``relu(F.linear(x, weight, bias))``: ``weight`` is (N, K) as in ``nn.Linear``."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D with shape (N, K), got shape {tuple(weight.shape)}")
+    return matmul_relu(x, weight.t(), bias)

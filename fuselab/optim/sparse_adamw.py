@@ -1,0 +1,111 @@
+"""SparseAdamW: AdamW for dense gradients, lazy row-wise AdamW for sparse (COO) gradients."""
+from typing import Iterable, Optional, Tuple
+
+import torch
+from torch.optim.adamw import adamw
+
+import fuselab.kernels.sparse_adamw  # noqa: F401  registers torch.ops.fuselab.sparse_adamw_update_
+
+
+class SparseAdamW(torch.optim.Optimizer):
+    r"""AdamW that also takes sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``).
+
+    Dense gradients get exactly ``torch.optim.AdamW`` (torch's foreach/fused implementation).
+    A sparse COO gradient (``sparse_dim == 1``: rows of a parameter of shape (rows, ...)) gets
+    a lazy update. Duplicate row indices are summed first; then, with ``t`` the parameter's step
+    count (one per parameter, counted on every step that it has a gradient, sparse or dense,
+    even one that touches no rows) and for each touched row ``r`` only::
+
+        g      = -grad[r] if maximize else grad[r]
+        m[r]   = beta1 * m[r] + (1 - beta1) * g
+        v[r]   = beta2 * v[r] + (1 - beta2) * g**2
+        p[r]   = p[r] * (1 - lr * weight_decay)                       # decoupled decay
+        p[r]   = p[r] - lr / (1 - beta1**t) * m[r] / (sqrt(v[r]) / sqrt(1 - beta2**t) + eps)
+
+    That is AdamW's update of a touched row, eps added after bias correction as AdamW does
+    (``torch.optim.SparseAdam`` adds eps before it: ``lr*sqrt(1-beta2**t)/(1-beta1**t) *
+    m/(sqrt(v)+eps)``). The difference from dense AdamW: untouched rows are neither decayed nor
+    moved, and their moments do not decay either. On CUDA the sparse update is one fused Triton
+    kernel (``torch.ops.fuselab.sparse_adamw_update_``, fp32 math for fp32/bf16/fp16 parameters);
+    on CPU, and for float64 parameters, it runs in PyTorch.
+
+    Raises ValueError for lr, eps or weight_decay < 0, betas outside [0, 1), and for a sparse
+    gradient that is not a row-sparse COO tensor of a parameter with contiguous rows.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, maximize: bool = False,
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None):
+        if not 0.0 <= lr:
+            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+        if not 0.0 <= eps:
+            raise ValueError(f"invalid eps {eps}: must be >= 0")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"invalid beta{i + 1} {beta}: must be in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                        foreach=foreach, fused=fused)
+        super().__init__(params, defaults)
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:  # the layout torch.optim.AdamW uses, so state dicts look alike
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @staticmethod
+    def _rows(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``t`` as (rows, row_numel) with unit-stride rows, or a ValueError that says why not."""
+        if grad.layout != torch.sparse_coo:
+            raise ValueError(f"sparse gradients must be COO (torch.sparse_coo), got {grad.layout}")
+        if grad.sparse_dim() != 1:
+            raise ValueError(f"sparse gradient must be row-sparse (sparse_dim 1), got sparse_dim "
+                             f"{grad.sparse_dim()} for a parameter of shape {tuple(t.shape)}")
+        try:
+            rows = t.view(t.shape[0], -1)
+        except RuntimeError:
+            rows = None
+        if rows is None or (rows.shape[1] > 1 and rows.stride(1) != 1):
+            raise ValueError(f"sparse gradients need a parameter whose rows are contiguous, got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()}")
+        return rows
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            dense = ([], [], [], [], [])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state(p)
+                if p.grad.is_sparse:
+                    grad = p.grad
+                    rows = [self._rows(t, grad) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
+                    state["step"] += 1
+                    values = grad._values().reshape(grad._nnz(), rows[0].shape[1])
+                    torch.ops.fuselab.sparse_adamw_update_(
+                        *rows, grad._indices()[0], values,
+                        float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+                        state["step"].item(), group["maximize"])
+                else:
+                    for lst, t in zip(dense, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
+                        lst.append(t)
+            if dense[0]:
+                params, grads, exp_avgs, exp_avg_sqs, steps = dense
+                if group["fused"]:  # torch's fused kernel keeps its step count on the device
+                    for i, s in enumerate(steps):
+                        if s.device != params[i].device:
+                            self.state[params[i]]["step"] = steps[i] = s.to(params[i].device)
+                adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
+                      fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        return loss

@@ -1,0 +1,50 @@
+"""Float64 references and error bounds shared by the kernel tests."""
+import pytest
+import torch
+
+from fuselab.kernels._runtime import INTERPRET
+
+# Unit roundoff of each storage dtype (half an ulp at 1.0).
+UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+TF32_UNIT = 2.0**-11
+
+DEVICES = [pytest.param("cpu")] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
+# The interpreter's tl.dot mishandles bf16, so bf16 is tested on the GPU only.
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+
+
+def dot_bound(dtype: torch.dtype, k: int, a_abs: torch.Tensor, b_abs: torch.Tensor) -> torch.Tensor:
+    """Elementwise error bound of a K-long fp32-accumulated dot product over (|a| @ |b|).
+
+    Inputs are exact in their dtype; fp32 inputs are rounded to tf32 unless precision is
+    "highest"; accumulation in fp32 adds at most K unit roundoffs (a worst case, not an average).
+    """
+    rounding = 0.0
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        rounding = 2 * TF32_UNIT
+    return (rounding + (k + 2) * 2.0**-24) * (a_abs @ b_abs)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    """|out - ref| <= output rounding + bound, elementwise; NaN where and only where ref is NaN."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    out64 = out.double()
+    assert torch.equal(out64.isnan(), ref.isnan()), f"{what}: NaN pattern differs"
+    ok = ~ref.isnan()
+    err = (out64 - ref).abs()[ok]
+    # Output rounding: relative for normal numbers, absolute (the subnormal spacing) below them.
+    rounding = 2 * UNIT[out.dtype] * (ref.abs() + torch.finfo(out.dtype).smallest_normal)
+    allowed = (rounding + bound)[ok]
+    worst = (err / allowed).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"{what}: error {worst:.2f}x the allowed bound (max abs err {err.max():.3e})"
+
+
+def randn(*shape, dtype, device, layout="contiguous"):
+    """A random tensor of ``shape`` in one of several memory layouts (values identical)."""
+    if layout == "contiguous":
+        return torch.randn(*shape, dtype=dtype, device=device)
+    if layout == "transposed":  # a .t() view: column-major
+        return torch.randn(*reversed(shape), dtype=dtype, device=device).t()
+    if layout == "sliced":  # every other column of a wider tensor: row stride != columns
+        return torch.randn(shape[0], 2 * shape[1], dtype=dtype, device=device)[:, ::2]
+    raise ValueError(layout)

@@ -1,0 +1,295 @@
+"""fuselab.kernels.matmul_relu: values, gradients, registration, errors, autotuning.
+
+On a CPU the Triton kernels run in the interpreter (conftest); on a GPU run `pytest -m gpu`.
+"""
+import json
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import fuselab
+from fuselab.kernels import _autotune, linear_relu, matmul_relu
+from reference import DEVICES, DTYPES, assert_close, dot_bound, randn
+
+SHAPES = [(37, 53, 29), (1, 19, 33), (65, 8, 70)]  # (M, K, N): odd, a row of 1, a short K
+
+
+def reference(a, b, bias, grad):
+    """Forward and gradients in float64; the gradient mask comes from the kernel's own output,
+    as documented (the op saves Y and never recomputes it)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    pre = a64 @ b64 + (bias.detach().double() if bias is not None else 0)
+    return torch.relu(pre)
+
+
+def check_forward_backward(a, b, bias, dtype):
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    if bias is not None:
+        bias.requires_grad_(True)
+    y = matmul_relu(a, b, bias)
+    K = b.shape[0]
+    a_abs, b_abs = a.detach().double().abs(), b.detach().double().abs()
+    bias_abs = bias.detach().double().abs() if bias is not None else 0
+    assert_close(y, reference(a, b, bias, None), dot_bound(dtype, K, a_abs, b_abs) + 2.0**-24 * bias_abs, "Y")
+
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    g = torch.where(y.detach() <= 0, 0, dy).double()
+    g2, a2 = g.reshape(-1, g.shape[-1]), a.detach().double().reshape(-1, K)
+    N, M = b.shape[1], g2.shape[0]
+    assert_close(a.grad, (g @ b.detach().double().t()), dot_bound(dtype, N, g.abs(), b_abs.t()), "dA")
+    assert_close(b.grad, a2.t() @ g2, dot_bound(dtype, M, a2.abs().t(), g2.abs()), "dB")
+    if bias is not None:
+        ones = torch.ones(M, 1, dtype=torch.float64, device=g.device)
+        bound = dot_bound(dtype, M, g2.abs().t(), ones).squeeze(1)
+        assert_close(bias.grad, g2.sum(0), bound, "dbias")
+    return y
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_contiguous(device, dtype, M, K, N, with_bias):
+    a = randn(M, K, dtype=dtype, device=device)
+    b = randn(K, N, dtype=dtype, device=device)
+    bias = torch.randn(N, dtype=dtype, device=device) if with_bias else None
+    check_forward_backward(a, b, bias, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("a_layout,b_layout", [("transposed", "contiguous"), ("contiguous", "transposed"),
+                                               ("sliced", "sliced"), ("transposed", "transposed")])
+def test_layouts(device, dtype, a_layout, b_layout):
+    M, K, N = 45, 38, 27
+    a = randn(M, K, dtype=dtype, device=device, layout=a_layout)
+    b = randn(K, N, dtype=dtype, device=device, layout=b_layout)
+    assert a_layout == "contiguous" or not a.is_contiguous()
+    check_forward_backward(a, b, torch.randn(N, dtype=dtype, device=device), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batched_and_linear(device, dtype):
+    x = torch.randn(2, 3, 21, dtype=dtype, device=device)
+    w = torch.randn(17, 21, dtype=dtype, device=device)  # nn.Linear layout (N, K)
+    bias = torch.randn(17, dtype=dtype, device=device)
+    y = check_forward_backward(x, w.t(), bias, dtype)
+    assert y.shape == (2, 3, 17)
+    torch.testing.assert_close(linear_relu(x.detach(), w, bias), y.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_propagates(device):
+    a = torch.randn(9, 12, device=device)
+    b = torch.randn(12, 7, device=device)
+    a[4, 5] = float("nan")  # row 4 of a @ b is NaN, and relu keeps it NaN
+    y = matmul_relu(a, b)
+    others = torch.arange(9, device=device) != 4
+    assert y[4].isnan().all() and not y[others].isnan().any()
+    assert torch.equal(y[others], torch.relu(a[others] @ b)) or torch.allclose(y[others], torch.relu(a[others] @ b), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_sizes(device):
+    bias = torch.randn(5, device=device)
+    k0 = matmul_relu(torch.randn(4, 0, device=device), torch.randn(0, 5, device=device), bias)
+    torch.testing.assert_close(k0, torch.relu(bias).expand(4, 5), rtol=0, atol=0)
+    assert matmul_relu(torch.randn(0, 6, device=device), torch.randn(6, 5, device=device)).shape == (0, 5)
+    assert matmul_relu(torch.randn(2, 0, 6, device=device), torch.randn(6, 5, device=device)).shape == (2, 0, 5)
+    assert matmul_relu(torch.randn(3, 6, device=device), torch.randn(6, 0, device=device)).shape == (3, 0)
+    a = torch.randn(3, 0, device=device, requires_grad=True)
+    b = torch.randn(0, 4, device=device, requires_grad=True)
+    bias = torch.randn(4, device=device, requires_grad=True)
+    dy = torch.randn(3, 4, device=device)
+    matmul_relu(a, b, bias).backward(dy)
+    torch.testing.assert_close(bias.grad, torch.where(bias.detach() <= 0, 0, dy).sum(0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_at_zero_matches_torch(device):
+    # A column that is exactly 0 before the ReLU: torch's gradient is 0 there, and so is ours.
+    a = torch.randn(8, 10, device=device, requires_grad=True)
+    b = torch.randn(10, 6, device=device)
+    b[:, 2] = 0
+    b.requires_grad_(True)
+    dy = torch.randn(8, 6, device=device)
+    matmul_relu(a, b).backward(dy)
+    a_ref, b_ref = a.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    torch.relu(a_ref @ b_ref).backward(dy)
+    assert (b.grad[:, 2] == 0).all() and (b_ref.grad[:, 2] == 0).all()
+    torch.testing.assert_close(a.grad, a_ref.grad)
+    torch.testing.assert_close(b.grad, b_ref.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic(device):
+    a = torch.randn(70, 33, device=device, dtype=torch.float16)
+    b = torch.randn(33, 40, device=device, dtype=torch.float16)
+    assert torch.equal(matmul_relu(a, b), matmul_relu(a, b))
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration: opcheck, compile, export
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_opcheck(device, layout):
+    a = randn(11, 14, dtype=torch.float32, device=device, layout=layout).requires_grad_(True)
+    b = randn(14, 9, dtype=torch.float32, device=device, layout=layout).requires_grad_(True)
+    bias = torch.randn(9, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu, (a, b, bias))
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu, (a, b, None))
+    y = matmul_relu(a, b, bias).detach()
+    dy = torch.randn_like(y)
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu_grad_a, (dy, y, b.detach()))
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu_grad_b, (dy, y, a.detach(), b.detach()))
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self, k=13, h=24, n=7):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(k, h)
+        self.fc2 = torch.nn.Linear(h, n)
+
+    def forward(self, x):
+        return self.fc2(linear_relu(x, self.fc1.weight, self.fc1.bias))
+
+
+def _graph_ops(gm):
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_forward_backward(device):
+    torch._dynamo.reset()
+    model = TwoLayer().to(device)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        if device == "cuda":
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
+        from torch._dynamo.backends.common import aot_autograd
+        return aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(5, 13, device=device)
+    out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    assert any("fuselab.matmul_relu" in op for op in _graph_ops(graphs[0]))
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    explain = torch._dynamo.explain(model)(x)
+    assert explain.graph_break_count == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export(device):
+    model = TwoLayer().to(device)
+    x = torch.randn(6, 13, device=device)
+    ep = torch.export.export(model, (x,))
+    assert any(n.target is torch.ops.fuselab.matmul_relu.default for n in ep.graph.nodes)
+    x2 = torch.randn(6, 13, device=device)
+    torch.testing.assert_close(ep.module()(x2), model(x2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,exc,words", [
+    (lambda: (torch.randn(4, 5), torch.randn(6, 3)), ValueError, ["K mismatch", "(4, 5)", "(6, 3)"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5)), ValueError, ["b must be 2-D", "(5,)"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5, 3), torch.randn(4)), ValueError, ["bias", "(3,)", "(4,)"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5, 3), torch.randn(1, 3)), ValueError, ["bias", "(1, 3)"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5, 3, dtype=torch.float16)), TypeError, ["a is torch.float32", "b is torch.float16"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5, 3), torch.randn(3, dtype=torch.float64)), TypeError, ["bias is torch.float64"]),
+    (lambda: (torch.randn(4, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)), TypeError, ["unsupported dtype torch.float64"]),
+    (lambda: (torch.randint(0, 3, (4, 5)), torch.randint(0, 3, (5, 3))), TypeError, ["unsupported dtype torch.int64"]),
+    (lambda: (torch.randn(()), torch.randn(5, 3)), ValueError, ["0-d"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5, 3, device="meta")), ValueError, ["one device", "a on cpu", "b on meta"]),
+], ids=["k-mismatch", "b-rank", "bias-size", "bias-rank", "mixed-dtype", "bias-dtype", "float64", "int", "scalar", "mixed-device"])
+def test_bad_input(args, exc, words):
+    with pytest.raises(exc) as info:
+        matmul_relu(*args())
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+def test_linear_relu_bad_weight():
+    with pytest.raises(ValueError, match=r"weight must be 2-D .*\(5,\)"):
+        linear_relu(torch.randn(3, 5), torch.randn(5))
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotuning: persistence and the no-tuning switch
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scale_kernel(x_ptr, n, SIZE_KEY, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def test_autotune_persists_per_gpu_and_triton(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSELAB_CACHE_DIR", str(tmp_path))
+    configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})]
+    calls = []
+
+    def make():
+        tuner = _autotune.PersistentAutotuner(_scale_kernel, configs, key=["SIZE_KEY"])
+        # A fake clock: the 32-wide config is "fastest"; counting calls shows who benchmarked.
+        tuner.__dict__["do_bench"] = lambda fn, quantiles=None: (calls.append(1), [1.0 if "BLOCK: 32" in str(tuner._current) else 2.0] * 3)[1]
+        return tuner
+
+    def bench_config(tuner):
+        orig = tuner._bench
+
+        def bench(*args, config, **meta):
+            tuner._current = config
+            return orig(*args, config=config, **meta)
+        tuner._bench = bench
+
+    first = make()
+    bench_config(first)
+    x = torch.randn(100, device="cuda" if torch.cuda.is_available() else "cpu")
+    first[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, _autotune.bucket(100))
+    assert len(calls) == 3 and first.best_config.kwargs["BLOCK"] == 32
+    files = list(tmp_path.rglob("_scale_kernel.json"))
+    assert len(files) == 1 and f"triton-{triton.__version__}" in str(files[0])
+    assert "BLOCK: 32" in next(iter(json.loads(files[0].read_text()).values()))
+
+    second = make()  # a "second process": empty in-memory cache, same disk cache
+    second[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, _autotune.bucket(120))  # same bucket
+    assert len(calls) == 3, "the second tuner benchmarked again instead of reading the disk cache"
+    assert second.best_config.kwargs["BLOCK"] == 32
+
+
+def test_autotune_switch_off_uses_heuristic(monkeypatch):
+    monkeypatch.setattr(_autotune, "AUTOTUNE", False)
+    heuristic = triton.Config({"BLOCK": 64})
+    tuner = _autotune.autotune([triton.Config({"BLOCK": 16}), heuristic], key=["SIZE_KEY"],
+                               heuristic=heuristic)(_scale_kernel)
+    assert tuner.configs == [heuristic]
+
+
+def test_bucket():
+    assert [_autotune.bucket(n) for n in (0, 1, 2, 3, 64, 65, 4096, 4097)] == [1, 1, 2, 4, 64, 128, 4096, 8192]
+
+
+def test_package_api():
+    assert fuselab.matmul_relu is matmul_relu

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
-from fuselab.kernels._runtime import (INTERPRET, check_same_device, check_same_dtype, has_tma, launch,
-                                      max_shared_memory, num_sms, register_op, uses_triton)
+from fuselab.kernels._runtime import (INTERPRET, SUPPORTED_DTYPES, check_same_device, check_same_dtype,
+                                      has_tma, launch, max_shared_memory, num_sms, register_op,
+                                      uses_triton)
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs
@@ -312,8 +313,11 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
 
 
 def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    check_same_device(a=a, b=b, bias=bias)
-    check_same_dtype(a=a, b=b, bias=bias)
+    dtype, device = a.dtype, a.device
+    same = b.dtype == dtype and b.device == device and (bias is None or (bias.dtype == dtype and bias.device == device))
+    if not (same and dtype in SUPPORTED_DTYPES):  # the slow, message-building checks only on failure
+        check_same_device(a=a, b=b, bias=bias)
+        check_same_dtype(a=a, b=b, bias=bias)
     if a.dim() < 1:
         raise ValueError("a must have shape (..., K), got a 0-d tensor")
     if b.dim() != 2:
@@ -327,6 +331,8 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., C) -> (rows, C), a view where the strides allow (also when a size is 0)."""
+    if t.dim() == 2:
+        return t
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 

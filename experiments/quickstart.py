@@ -1,10 +1,14 @@
-"""fuselab's main job (`make demo`): check the fused op against PyTorch, and time it on a GPU.
+"""fuselab's main job (`make demo`), in stages:
 
-On a CPU the Triton kernels run once through the interpreter on a small case (timings need a
-GPU); on a GPU the op is also timed against ``torch.relu(a @ b)`` and cuBLASLt's fused epilogue.
-Prints one summary table and writes ``results/quickstart.json``.
+1. the fused matmul-ReLU against PyTorch and float64: on a CPU the Triton kernels run once
+   through the interpreter on a small case (timings need a GPU); on a GPU the op is also timed
+   against ``torch.relu(a @ b)`` and cuBLASLt's fused epilogue;
+2. an MLP on Fashion-MNIST trained stock and patched with ``fuse_linear_relu``
+   (``experiments/train_mlp.py``; on a CPU without the interpreter, where fuselab uses PyTorch).
+Prints a summary table per stage and writes JSON under ``results/``.
 """
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,6 +85,10 @@ def main():
         sys.exit(f"fuselab's error exceeds 4x PyTorch's on: {bad}")
     if not on_gpu:
         print("Timings need a GPU: run `make demo` (or experiments/bench_matmul_relu.py) on a CUDA machine.")
+    print("\nStage 2: an MLP trained stock and with fuse_linear_relu")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real speed on a CPU
+    script = Path(__file__).resolve().parent / "train_mlp.py"
+    subprocess.run([sys.executable, str(script), "--epochs", "3" if on_gpu else "2"], env=env, check=True)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,14 @@ def sparse_section(data):
     return "\n".join(out)
 
 
+def mlp_section(data):
+    rows = data["rows"]
+    header = list(rows[0])
+    note = ("On a CPU fuselab computes with PyTorch, so this shows that patching keeps accuracy, not speed."
+            if "CPU" in data["environment"]["gpu"] else "")
+    return "\n".join([env_line(data), "", markdown_table(header, [[r[k] for k in header] for r in rows]), "", note])
+
+
 def main():
     data = load("matmul_relu_bench")
     if data:
@@ -96,6 +104,9 @@ def main():
     data = load("sparse_embedding_cuda") or load("sparse_embedding_cpu")
     if data:
         update_readme_section("sparse_embedding", sparse_section(data))
+    data = load("mlp_cuda") or load("mlp_cpu")
+    if data:
+        update_readme_section("mlp", mlp_section(data))
     print("README.md tables regenerated from results/")
 
 

@@ -30,3 +30,16 @@ def test_bench_refuses_without_gpu():
     sys.argv = ["bench_matmul_relu.py", "--quick"]
     with pytest.raises(SystemExit, match="GPU"):
         bench_matmul_relu.main()
+
+
+@pytest.mark.slow
+def test_compile_speedup_smoke(tmp_path):
+    # The study's machinery end to end on a tiny patched decoder: inductor compiles it with no graph break.
+    import compile_speedup
+
+    rows = compile_speedup.main(["--tiny", "--device", "cpu", "--models", "opt+fuselab", "--modes", "eager,default",
+                                 "--precisions", "fp32", "--tasks", "train", "--warmup", "0", "--iters", "1",
+                                 "--out", str(tmp_path)])
+    compiled = next(r for r in rows if r["mode"] == "default")
+    assert compiled["graph breaks"] == 0 and compiled["ms/step"] > 0
+    assert (tmp_path / "compile_speedup_cpu.json").exists()

@@ -1,0 +1,139 @@
+"""What torch.compile really buys: eager vs compile modes, fp32 vs bf16 autocast, stock vs fuselab.
+
+Models: torchvision ResNet-50 (channels_last where it applies) and an OPT-style transformers
+decoder with a ReLU MLP (random init), each in training (forward+backward+SGD step) and inference.
+The decoder also runs patched by ``fuselab.nn.fuse_linear_relu``. For every configuration:
+throughput, time to the first result (compile time), peak memory, speedup against eager of the
+same model/precision, and the graph breaks Dynamo reports.
+
+    python experiments/compile_speedup.py                       # the full study (GPU)
+    python experiments/compile_speedup.py --tiny --device cpu --modes eager,default   # smoke test
+"""
+import argparse
+import copy
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fuselab.nn import fuse_linear_relu  # noqa: E402
+from fuselab.report import RESULTS, markdown_table, save_json  # noqa: E402
+
+MODES = ["eager", "default", "reduce-overhead", "max-autotune"]
+
+
+def build(name, tiny, device):
+    """(model, example batch, items per batch, unit)."""
+    if name.startswith("resnet50"):
+        import torchvision
+
+        model = torchvision.models.resnet18(weights=None) if tiny else torchvision.models.resnet50(weights=None)
+        batch = torch.randn(2 if tiny else 64, 3, 64 if tiny else 224, 64 if tiny else 224, device=device)
+        return model.to(device), (batch,), batch.shape[0], "img/s"
+    from transformers import OPTConfig, OPTForCausalLM
+
+    size = dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4) if tiny else \
+        dict(hidden_size=1024, num_hidden_layers=12, ffn_dim=4096, num_attention_heads=16)
+    cfg = OPTConfig(vocab_size=512 if tiny else 50272, max_position_embeddings=2048, activation_function="relu",
+                    word_embed_proj_dim=size["hidden_size"], dropout=0.0, attention_dropout=0.0, **size)
+    model = OPTForCausalLM(cfg).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (2 if tiny else 8, 32 if tiny else 1024), device=device)
+    if name.endswith("+fuselab"):
+        model, report = fuse_linear_relu(model)
+        assert report.fused, str(report)
+    return model, (tokens,), tokens.numel(), "tok/s"
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one(name, mode, precision, train, args, device):
+    torch._dynamo.reset()
+    model, inputs, items, unit = build(name, args.tiny, device)
+    if name.startswith("resnet50") and args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        inputs = (inputs[0].to(memory_format=torch.channels_last),)
+    model.train(train)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4) if train else None
+
+    def forward(*x):
+        out = model(*x)
+        return out.logits if hasattr(out, "logits") else out
+
+    fn = forward if mode == "eager" else torch.compile(forward, mode=None if mode == "default" else mode)
+    breaks = None
+    if mode != "eager":
+        breaks = torch._dynamo.explain(forward)(*inputs).graph_break_count
+        torch._dynamo.reset()
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            if train:
+                if device.type == "cuda" and mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                loss = fn(*inputs).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    fn(*inputs)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    sync(device)
+    per_step = (time.perf_counter() - t0) / args.iters
+    return {"model": name, "task": "train" if train else "infer", "precision": precision, "mode": mode,
+            "ms/step": per_step * 1e3, unit: items / per_step, "first call s": first,
+            "peak MiB": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+            "graph breaks": breaks}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="resnet50,opt,opt+fuselab")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--tasks", default="train,infer")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    from tqdm import tqdm
+
+    grid = list(itertools.product(args.models.split(","), args.tasks.split(","), args.precisions.split(","),
+                                  args.modes.split(",")))
+    rows = [run_one(m, mode, prec, task == "train", args, device) for m, task, prec, mode in tqdm(grid)]
+    eager = {(r["model"], r["task"], r["precision"]): r["ms/step"] for r in rows if r["mode"] == "eager"}
+    for r in rows:
+        base = eager.get((r["model"], r["task"], r["precision"]))
+        r["speedup vs eager"] = base / r["ms/step"] if base else None
+    header = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "first call s", "peak MiB", "graph breaks"]
+    print(markdown_table(header, [[r.get(k) if r.get(k) is not None else "" for k in header] for r in rows]))
+    print(f"saved {save_json(f'compile_speedup_{device.type}', rows, {'tiny': args.tiny}, out_dir=args.out)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

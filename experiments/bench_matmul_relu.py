@@ -51,7 +51,7 @@ def bench(fn, grad_to_none=None) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
 
 
-def measure_forward(name, dtype_name, inductor: bool):
+def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
     import triton
 
     M, N, K = SHAPES[name]
@@ -69,6 +69,10 @@ def measure_forward(name, dtype_name, inductor: bool):
         "torch relu(mm)": lambda: torch.relu(a @ b),
         "cuBLASLt addmm+relu": lambda: torch._addmm_activation(bias, a, b),
     }
+    if cuda:  # the CUDA C++ reference (issue 3): tiled WMMA kernel, and the tutorial's naive one in fp32
+        providers["CUDA C++ tiled+bias"] = lambda: matmul_relu(a, b, bias, backend="cuda")
+        if dtype == torch.float32 and M * N * K <= 4096**3:
+            providers["CUDA C++ naive+bias"] = lambda: torch.ops.fuselab.matmul_relu_cuda_naive(a, b, bias)
     if inductor:
         compiled = torch.compile(lambda x, y: torch.relu(x @ y), mode="max-autotune-no-cudagraphs")
         providers["inductor max-autotune"] = lambda: compiled(a, b)
@@ -83,6 +87,8 @@ def measure_forward(name, dtype_name, inductor: bool):
     row["x cuBLASLt"] = row["fuselab+bias"] / row["cuBLASLt addmm+relu"]
     if inductor:
         row["x inductor"] = row["fuselab"] / row["inductor max-autotune"]
+    if cuda:
+        row["CUDA tiled x cuBLASLt"] = row["CUDA C++ tiled+bias"] / row["cuBLASLt addmm+relu"]
     return row
 
 
@@ -110,6 +116,7 @@ def main():
     p.add_argument("--inductor", default="8192x8192x8192,8192x8192x256,64x4096x4096",
                    help="shapes (comma-separated, or 'all'/'none') that also time inductor max-autotune, bf16 only "
                         "(each costs a ~30 s compile)")
+    p.add_argument("--cuda", action="store_true", help="also time the CUDA C++ reference (built on first use)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -122,7 +129,7 @@ def main():
     inductor = set(SHAPES) if args.inductor == "all" else set(args.inductor.split(",")) - {"none"}
     fp32_shapes = set(shapes) if args.fp32_shapes == "all" else set(args.fp32_shapes.split(","))
     jobs = [(s, d) for d in dtypes for s in shapes if d != "fp32" or s in fp32_shapes]
-    fwd = [measure_forward(s, d, d == "bf16" and s in inductor) for s, d in tqdm(jobs, desc="forward")]
+    fwd = [measure_forward(s, d, d == "bf16" and s in inductor, args.cuda) for s, d in tqdm(jobs, desc="forward")]
     fb_jobs = [(s, d) for d in dtypes for s in (FWD_BWD_SHAPES[:1] if args.quick else FWD_BWD_SHAPES)
                if s in fp32_shapes or d != "fp32"]
     fb = [measure_forward_backward(s, d) for s, d in tqdm(fb_jobs, desc="fwd+bwd")]

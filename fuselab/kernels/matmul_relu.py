@@ -415,7 +415,8 @@ _matmul_relu_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------
 
 
-def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                backend: str = "triton") -> torch.Tensor:
     """``relu(a @ b + bias)`` in one fused kernel, differentiable in ``a``, ``b`` and ``bias``.
 
     Args:
@@ -427,8 +428,14 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
     has that dtype, accumulated in fp32 (fp32 inputs use tf32 unless
     ``torch.get_float32_matmul_precision() == "highest"``, the default). NaN propagates, the
     gradient at an output of exactly 0 is 0. Raises ValueError/TypeError naming the bad shapes,
-    dtypes or devices.
+    dtypes or devices. ``backend="cuda"`` runs the CUDA C++ reference instead (built on first use).
     """
+    if backend == "cuda":
+        from fuselab.kernels.matmul_relu_cuda import matmul_relu_cuda
+
+        return matmul_relu_cuda(a, b, bias)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
     return torch.ops.fuselab.matmul_relu(a, b, bias)
 
 

@@ -1,0 +1,76 @@
+"""The CUDA C++ reference of the fused matmul-ReLU (``csrc/matmul_relu.cu``), built just in time.
+
+``load_extension()`` compiles the source with ninja for the GPU's own architecture (or
+``TORCH_CUDA_ARCH_LIST``) into ``$FUSELAB_CACHE_DIR/torch_extensions`` on first use and loads it,
+which registers ``torch.ops.fuselab.matmul_relu_cuda`` and ``matmul_relu_cuda_naive`` from C++
+(TORCH_LIBRARY). This module then adds their fake implementations and, for ``matmul_relu_cuda``,
+autograd through the Triton backward kernels. ``python -m fuselab.kernels.build`` builds ahead of time.
+"""
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from fuselab.kernels.matmul_relu import _backward, _check_inputs, _setup_context
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "matmul_relu.cu"
+
+
+def _arch_flags():
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return []  # torch.utils.cpp_extension reads it
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+    return ["-gencode=arch=compute_90,code=sm_90"]  # no GPU here: build for Hopper
+
+
+def _cuda_home():
+    # torch guesses the toolkit from `which nvcc`; a wrapper script outside the toolkit misleads it.
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home is None and Path("/usr/local/cuda/bin/nvcc").exists():
+        home = "/usr/local/cuda"
+    return home
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(verbose: bool = False) -> None:
+    """Build (once, cached on disk) and load the extension; RuntimeError says what is missing."""
+    home = _cuda_home()
+    if home:
+        os.environ["CUDA_HOME"] = home
+    from torch.utils import cpp_extension
+
+    if home:
+        cpp_extension.CUDA_HOME = home  # read at its import, which may have happened earlier
+    if cpp_extension.CUDA_HOME is None:
+        raise RuntimeError("building fuselab's CUDA reference needs nvcc: set CUDA_HOME to a CUDA toolkit "
+                           "(the Triton kernels need neither)")
+    root = Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
+    build_dir = root / "torch_extensions" / f"torch-{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="fuselab_cuda", sources=[str(SOURCE)], build_directory=str(build_dir),
+                       extra_cuda_cflags=["-O3", *_arch_flags()], is_python_module=False,
+                       verbose=verbose)
+    _register_python_parts()
+
+
+def _fake(a, b, bias):
+    _check_inputs(a, b, bias)
+    return a.new_empty(*a.shape[:-1], b.shape[1])
+
+
+def _register_python_parts():
+    for name in ("fuselab::matmul_relu_cuda", "fuselab::matmul_relu_cuda_naive"):
+        torch.library.register_fake(name, _fake)
+    torch.library.register_autograd("fuselab::matmul_relu_cuda", _backward, setup_context=_setup_context)
+
+
+def matmul_relu_cuda(a, b, bias=None, naive: bool = False):
+    """``relu(a @ b + bias)`` by the CUDA C++ kernels (``naive``: the tutorial's fp32 kernel)."""
+    load_extension()
+    if not a.is_cuda:
+        raise RuntimeError(f"the CUDA reference needs CUDA tensors, got a on {a.device}")
+    op = torch.ops.fuselab.matmul_relu_cuda_naive if naive else torch.ops.fuselab.matmul_relu_cuda
+    return op(a, b, bias)

@@ -1,0 +1,80 @@
+"""The CUDA C++ reference (fuselab/kernels/csrc): builds here without a GPU; checked on a GPU.
+
+The build takes ~2 minutes on 2 cores the first time (cached afterwards): marked slow.
+"""
+import pytest
+import torch
+
+from fuselab.kernels import matmul_relu
+from reference import assert_close, dot_bound, randn
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def extension():
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine")
+    from fuselab.kernels.matmul_relu_cuda import load_extension
+
+    load_extension()
+
+
+def test_builds_and_registers(extension):
+    for name in ("matmul_relu_cuda", "matmul_relu_cuda_naive"):
+        schema = str(getattr(torch.ops.fuselab, name).default._schema)
+        assert schema == f"fuselab::{name}(Tensor a, Tensor b, Tensor? bias) -> Tensor"
+    a, b = torch.randn(3, 4, device="meta"), torch.randn(4, 5, device="meta")
+    assert torch.ops.fuselab.matmul_relu_cuda(a, b, None).shape == (3, 5)  # the fake implementation
+
+
+def test_cpu_tensors_rejected(extension):
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        matmul_relu(torch.randn(3, 4), torch.randn(4, 5), backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        matmul_relu(torch.randn(3, 4), torch.randn(4, 5), backend="rocm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("precision", ["highest", "high"])
+@pytest.mark.parametrize("a_layout,b_layout", [("contiguous", "contiguous"), ("contiguous", "transposed"),
+                                               ("transposed", "sliced")])
+def test_forward_backward(extension, dtype, precision, a_layout, b_layout):
+    if dtype != torch.float32 and precision == "high":
+        pytest.skip("precision only matters for fp32")
+    torch.backends.cuda.matmul.allow_tf32 = precision == "high"
+    try:
+        M, K, N = 300, 259, 133
+        a = randn(M, K, dtype=dtype, device="cuda", layout=a_layout).requires_grad_(True)
+        b = randn(K, N, dtype=dtype, device="cuda", layout=b_layout).requires_grad_(True)
+        bias = torch.randn(N, dtype=dtype, device="cuda", requires_grad=True)
+        y = matmul_relu(a, b, bias, backend="cuda")
+        ref = torch.relu(a.double() @ b.double() + bias.double())
+        assert_close(y, ref.detach(), dot_bound(dtype, K, a.double().abs(), b.double().abs()).detach()
+                     + 2.0**-24 * bias.double().abs().detach(), "Y")
+        y_triton = matmul_relu(a, b, bias)
+        assert_close(y, y_triton.double().detach(), 2 * dot_bound(dtype, K, a.double().abs(), b.double().abs()).detach(),
+                     "vs Triton")
+        y.backward(torch.randn_like(y))
+        assert a.grad is not None and b.grad is not None and bias.grad is not None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@pytest.mark.gpu
+def test_naive_and_registration(extension):
+    a = torch.randn(70, 45, device="cuda")
+    b = torch.randn(45, 33, device="cuda")
+    naive = torch.ops.fuselab.matmul_relu_cuda_naive(a, b, None)
+    assert_close(naive, torch.relu(a.double() @ b.double()), dot_bound(torch.float32, 45, a.double().abs(),
+                                                                         b.double().abs()), "naive")
+    x = torch.randn(11, 14, device="cuda", requires_grad=True)
+    w = torch.randn(14, 9, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu_cuda, (x, w, None))
+    compiled = torch.compile(lambda x: matmul_relu(x, w, backend="cuda").sum(), fullgraph=True)
+    compiled(x).backward()
+    ep = torch.export.export(torch.nn.Module(), ()) if False else None
+    del ep

@@ -76,5 +76,17 @@ def test_naive_and_registration(extension):
     torch.library.opcheck(torch.ops.fuselab.matmul_relu_cuda, (x, w, None))
     compiled = torch.compile(lambda x: matmul_relu(x, w, backend="cuda").sum(), fullgraph=True)
     compiled(x).backward()
-    ep = torch.export.export(torch.nn.Module(), ()) if False else None
-    del ep
+    assert x.grad is not None and w.grad is not None
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(w.detach().clone())
+
+        def forward(self, x):
+            return matmul_relu(x, self.w, backend="cuda")
+
+    layer = Layer()
+    ep = torch.export.export(layer, (x.detach(),))
+    assert any(n.target is torch.ops.fuselab.matmul_relu_cuda.default for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(x.detach()), layer(x.detach()))

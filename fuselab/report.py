@@ -1,5 +1,6 @@
 """Benchmark results: environment metadata, JSON files under results/, README tables."""
 import json
+import os
 import platform
 import subprocess
 from datetime import datetime, timezone
@@ -16,11 +17,13 @@ def environment() -> Dict[str, str]:
     """What a result row must carry: GPU, versions, git commit."""
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = os.environ.get("FUSELAB_GIT_COMMIT")  # for copies without .git (a remote GPU machine)
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
         "torch": torch.__version__,

@@ -10,7 +10,6 @@ same model/precision, and the graph breaks Dynamo reports.
     python experiments/compile_speedup.py --tiny --device cpu --modes eager,default   # smoke test
 """
 import argparse
-import copy
 import itertools
 import sys
 import time

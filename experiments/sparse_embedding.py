@@ -133,7 +133,7 @@ def throughput(rows=1_000_000, dim=128, lookups=65_536):
         emb = torch.nn.Embedding(rows, dim, sparse=name != "AdamW (dense, fused)", device=device)
         opt = make_optimizer(name, emb.parameters(), device)
 
-        def step():
+        def step(emb=emb, opt=opt):
             opt.zero_grad(set_to_none=True)
             emb(idx).square().sum().backward()
             opt.step()

@@ -1,7 +1,6 @@
 """fuselab.nn: FusedLinearReLU, fuse_linear_relu (Sequential, torch.fx, Hugging Face), fused_backend."""
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -299,12 +299,12 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
     if config is not None:  # a fixed config bypasses the tuner, and with it torch.compile support
         run = functools.partial(matmul_relu_kernel.fn[grid], **config.all_kwargs())
     run(a, b, c, bias, mask, rowsum, M, N, K,
-           a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-           y_strides[0], y_strides[1], bucket(M), bucket(N), bucket(K),
-           HAS_BIAS=bias is not None, RELU=relu, MASK_A=mask is not None,
-           ROWSUM_A=rowsum is not None, A_ROW_MAJOR=a.stride(1) == 1,
-           B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=_needs_int64(a, b, c, mask),
-           PRECISION=precision, NUM_SMS=sms)
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        y_strides[0], y_strides[1], bucket(M), bucket(N), bucket(K),
+        HAS_BIAS=bias is not None, RELU=relu, MASK_A=mask is not None,
+        ROWSUM_A=rowsum is not None, A_ROW_MAJOR=a.stride(1) == 1,
+        B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=_needs_int64(a, b, c, mask),
+        PRECISION=precision, NUM_SMS=sms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,7 +314,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
 
 def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     dtype, device = a.dtype, a.device
-    same = b.dtype == dtype and b.device == device and (bias is None or (bias.dtype == dtype and bias.device == device))
+    same = (b.dtype == dtype and b.device == device
+            and (bias is None or (bias.dtype == dtype and bias.device == device)))
     if not (same and dtype in SUPPORTED_DTYPES):  # the slow, message-building checks only on failure
         check_same_device(a=a, b=b, bias=bias)
         check_same_dtype(a=a, b=b, bias=bias)

@@ -33,10 +33,23 @@ def test_fused_linear_relu_module_and_state_dict():
     torch.testing.assert_close(fused(x), stock(x), **TOL)
     assert set(fused.state_dict()) == {"weight", "bias"}
     assert "in_features=13, out_features=9" in repr(fused)
+    back = nn.Linear(13, 9)
+    back.load_state_dict(fused.state_dict())  # and back into a plain Linear
+    torch.testing.assert_close(torch.relu(back(x)), fused(x), **TOL)
     shared = FusedLinearReLU.from_linear(stock[0])
     assert shared.weight is stock[0].weight and shared.bias is stock[0].bias
     nobias = FusedLinearReLU(5, 3, bias=False)
     assert nobias.bias is None and nobias(torch.randn(2, 5)).shape == (2, 3)
+
+
+def test_fused_linear_relu_compiles_fullgraph():
+    torch._dynamo.reset()
+    layer = FusedLinearReLU(12, 7)
+    x = torch.randn(5, 12, requires_grad=True)
+    out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, layer(x))
+    out.sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
 
 
 def test_fused_linear_relu_autocast():

@@ -146,3 +146,22 @@ def test_triton_kernel_matches_pytorch_path(device, dtype):
     for got, want in zip(state, ref):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert not torch.equal(state[0], torch.zeros_like(state[0]))
+
+
+def test_amsgrad_dense_equals_adamw_and_sparse_rejected():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4, dtype=torch.float64)
+    ref = copy.deepcopy(lin)
+    ours_opt = SparseAdamW(lin.parameters(), amsgrad=True, **HP)
+    ref_opt = torch.optim.AdamW(ref.parameters(), amsgrad=True, **HP)
+    for _ in range(6):
+        x = torch.randn(5, 6, dtype=torch.float64)
+        for model, opt in ((lin, ours_opt), (ref, ref_opt)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    torch.testing.assert_close(lin.weight, ref.weight, rtol=1e-12, atol=1e-12)
+    emb = embedding(10, 3, "cpu")
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="amsgrad is not supported with sparse gradients"):
+        SparseAdamW(emb.parameters(), amsgrad=True).step()

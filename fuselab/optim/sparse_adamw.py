@@ -29,12 +29,13 @@ class SparseAdamW(torch.optim.Optimizer):
     kernel (``torch.ops.fuselab.sparse_adamw_update_``, fp32 math for fp32/bf16/fp16 parameters);
     on CPU, and for float64 parameters, it runs in PyTorch.
 
-    Raises ValueError for lr, eps or weight_decay < 0, betas outside [0, 1), and for a sparse
-    gradient that is not a row-sparse COO tensor of a parameter with contiguous rows.
+    ``amsgrad`` applies to dense gradients only. Raises ValueError for lr, eps or weight_decay < 0,
+    betas outside [0, 1), a sparse gradient in a group with amsgrad=True, and a sparse gradient
+    that is not a row-sparse COO tensor of a parameter with contiguous rows.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, maximize: bool = False,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None):
         if not 0.0 <= lr:
             raise ValueError(f"invalid learning rate {lr}: must be >= 0")
@@ -45,16 +46,18 @@ class SparseAdamW(torch.optim.Optimizer):
                 raise ValueError(f"invalid beta{i + 1} {beta}: must be in [0, 1)")
         if not 0.0 <= weight_decay:
             raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
-                        foreach=foreach, fused=fused)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, fused=fused)
         super().__init__(params, defaults)
 
-    def _state(self, p: torch.Tensor) -> dict:
+    def _state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
         if not state:  # the layout torch.optim.AdamW uses, so state dicts look alike
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if amsgrad:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
     @staticmethod
@@ -82,12 +85,15 @@ class SparseAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            dense = ([], [], [], [], [])
+            dense = ([], [], [], [], [], [])
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self._state(p)
+                state = self._state(p, group["amsgrad"])
                 if p.grad.is_sparse:
+                    if group["amsgrad"]:
+                        raise ValueError(f"amsgrad is not supported with sparse gradients (parameter of shape "
+                                         f"{tuple(p.shape)}): put such parameters in a group with amsgrad=False")
                     grad = p.grad
                     rows = [self._rows(t, grad) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
                     state["step"] += 1
@@ -97,15 +103,16 @@ class SparseAdamW(torch.optim.Optimizer):
                         float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
                         state["step"].item(), group["maximize"])
                 else:
-                    for lst, t in zip(dense, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])):
+                    for lst, t in zip(dense, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                                              state.get("max_exp_avg_sq"), state["step"])):
                         lst.append(t)
             if dense[0]:
-                params, grads, exp_avgs, exp_avg_sqs, steps = dense
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = dense
                 if group["fused"]:  # torch's fused kernel keeps its step count on the device
                     for i, s in enumerate(steps):
                         if s.device != params[i].device:
                             self.state[params[i]]["step"] = steps[i] = s.to(params[i].device)
-                adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"],
-                      fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if group["amsgrad"] else [], steps,
+                      foreach=group["foreach"], fused=group["fused"], amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                       weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
         return loss

@@ -34,13 +34,22 @@ def register_op(qualname: str, fake: Callable, mutates_args: Tuple[str, ...] = (
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch a (possibly autotuned) Triton kernel so that ``torch.compile`` can see it."""
+    """Launch a (possibly autotuned) Triton kernel so that ``torch.compile`` can see it.
+
+    Triton launches on the current CUDA device, so the launch runs under the device of the first
+    tensor argument (tensors on cuda:1 while cuda:0 is current must not be read from cuda:0).
+    """
     if INTERPRET:
         kernel[grid](*args, **kwargs)
-    else:
-        from torch.library import wrap_triton
+        return
+    from torch.library import wrap_triton
 
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if device.index is None or device.index == torch.cuda.current_device():
         wrap_triton(kernel)[grid](*args, **kwargs)
+    else:
+        with torch.cuda.device(device):
+            wrap_triton(kernel)[grid](*args, **kwargs)
 
 
 def device_name(device: Optional[torch.device] = None) -> str:

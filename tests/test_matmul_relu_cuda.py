@@ -90,3 +90,12 @@ def test_naive_and_registration(extension):
     ep = torch.export.export(layer, (x.detach(),))
     assert any(n.target is torch.ops.fuselab.matmul_relu_cuda.default for n in ep.graph.nodes)
     torch.testing.assert_close(ep.module()(x.detach()), layer(x.detach()))
+
+
+@pytest.mark.gpu
+def test_empty_and_k0(extension):
+    bias = torch.randn(5, device="cuda")
+    k0 = matmul_relu(torch.randn(4, 0, device="cuda"), torch.randn(0, 5, device="cuda"), bias, backend="cuda")
+    torch.testing.assert_close(k0, torch.relu(bias).expand(4, 5), rtol=0, atol=0)
+    empty = matmul_relu(torch.randn(2, 0, 6, device="cuda"), torch.randn(6, 5, device="cuda"), backend="cuda")
+    assert empty.shape == (2, 0, 5)

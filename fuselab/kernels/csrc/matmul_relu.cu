@@ -292,6 +292,13 @@ void launch_wmma(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bia
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// (..., K) -> (rows, K); also when K or a leading size is 0 (reshape(-1, 0) is ambiguous).
+at::Tensor as_rows(const at::Tensor& a, int64_t k) {
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < a.dim(); ++i) rows *= a.size(i);
+  return a.reshape({rows, k});
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& a, int64_t n) {
   auto shape = a.sizes().vec();
   shape.back() = n;
@@ -302,10 +309,11 @@ at::Tensor matmul_relu_cuda(const at::Tensor& a_in, const at::Tensor& b_in, cons
   check_inputs(a_in, b_in, bias);
   const c10::cuda::CUDAGuard guard(a_in.device());
   const int64_t K = b_in.size(0), N = b_in.size(1);
-  at::Tensor a = a_in.reshape({-1, K});
+  at::Tensor a = as_rows(a_in, K);
   const int64_t M = a.size(0);
   at::Tensor out = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return out.view(out_shape(a_in, N));
+  TORCH_CHECK((M + BM - 1) / BM <= 65535, "matmul_relu_cuda: at most ", 65535 * BM, " rows, got ", M);
   if (K == 0) {  // relu(bias), or zeros
     bias ? out.copy_(bias->expand({M, N})).relu_() : out.zero_();
     return out.view(out_shape(a_in, N));
@@ -340,9 +348,10 @@ at::Tensor matmul_relu_cuda_naive(const at::Tensor& a_in, const at::Tensor& b, c
   TORCH_CHECK(a_in.scalar_type() == at::kFloat, "matmul_relu_cuda_naive: float32 only, got ", a_in.scalar_type());
   const c10::cuda::CUDAGuard guard(a_in.device());
   const int64_t K = b.size(0), N = b.size(1);
-  at::Tensor a = a_in.reshape({-1, K});
+  at::Tensor a = as_rows(a_in, K);
   const int64_t M = a.size(0);
   at::Tensor out = at::empty({M, N}, a.options());
+  TORCH_CHECK((M + 15) / 16 <= 65535, "matmul_relu_cuda_naive: at most ", 65535 * 16, " rows, got ", M);
   if (M > 0 && N > 0) {
     const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
     const dim3 block(16, 16), grid((N + 15) / 16, (M + 15) / 16);

@@ -277,6 +277,20 @@ def test_autotune_persists_per_gpu_and_triton(tmp_path, monkeypatch):
     assert second.best_config.kwargs["BLOCK"] == 32
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_autotune_fast_path_matches_triton_key(device, monkeypatch):
+    # After tuning, launches skip Autotuner.run: its key must be exactly the one Autotuner.run stores.
+    from fuselab.kernels.matmul_relu import matmul_relu_kernel
+    from triton.runtime.autotuner import Autotuner
+
+    a, b = torch.randn(33, 20, device=device), torch.randn(20, 18, device=device)
+    first = matmul_relu(a, b)
+    keys = list(matmul_relu_kernel.cache)
+    monkeypatch.setattr(Autotuner, "run", lambda *args, **kwargs: pytest.fail("slow path taken after tuning"))
+    torch.testing.assert_close(matmul_relu(a, b), first, rtol=0, atol=0)
+    assert list(matmul_relu_kernel.cache) == keys
+
+
 def test_autotune_switch_off_uses_heuristic(monkeypatch):
     monkeypatch.setattr(_autotune, "AUTOTUNE", False)
     heuristic = triton.Config({"BLOCK": 64})

@@ -32,7 +32,8 @@ def matmul_relu_section(data):
             "cuBLASLt addmm+relu", "x cuBLASLt", "inductor max-autotune", "x inductor"]
     out = [env_line(data), "", "Forward, TFLOP/s (higher is better; `x` columns are fuselab / peer). "
            "`fuselab` and every peer are eager calls; `fuselab (CUDA graph)` replays the same launch from a "
-           "graph, i.e. without Python's per-call host cost (~95 us for the op vs ~18 us for `torch.relu(a @ b)`).", "",
+           "graph, i.e. without Python's per-call host cost (95-145 us for the op in two runs, vs 18-23 us for "
+           "`torch.relu(a @ b)`; `experiments/host_overhead.py`).", "",
            markdown_table(cols, [[r.get(c, "") for c in cols] for r in rows]), ""]
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         sel = [r for r in rows if r["dtype"] == dtype]

@@ -205,6 +205,32 @@ def test_export(device):
     torch.testing.assert_close(ep.module()(x2), model(x2))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_fast_path_equals_the_op(device):
+    # Eager calls skip the dispatcher (_EagerMatmulReLU); the registered op must give the same bits.
+    a = torch.randn(21, 30, device=device, requires_grad=True)
+    b = torch.randn(30, 17, device=device, requires_grad=True)
+    bias = torch.randn(17, device=device, requires_grad=True)
+    dy = torch.randn(21, 17, device=device)
+    results = []
+    for fn in (matmul_relu, torch.ops.fuselab.matmul_relu):
+        y = fn(a, b, bias)
+        grads = torch.autograd.grad(y, (a, b, bias), dy)
+        results.append((y.detach(), *grads))
+    for fast, op in zip(*results):
+        assert torch.equal(fast, op)
+
+
+def test_traced_calls_use_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # a fake tensor must reach the fake implementation, not a kernel
+        y = matmul_relu(torch.randn(5, 7), torch.randn(7, 3))
+    assert y.shape == (5, 3)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: matmul_relu(a, b))(torch.randn(4, 6), torch.randn(6, 2))
+    assert any(n.target is torch.ops.fuselab.matmul_relu.default for n in gm.graph.nodes)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------

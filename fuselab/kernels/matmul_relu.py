@@ -346,8 +346,7 @@ def _forward_fake(a, b, bias):
     return a.new_empty(*a.shape[:-1], b.shape[1])
 
 
-@register_op("fuselab::matmul_relu", fake=_forward_fake)
-def _matmul_relu_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     y = _forward_fake(a, b, bias)
     a2, y2 = _rows(a), _rows(y)
     if uses_triton(a):
@@ -361,8 +360,7 @@ def _grad_a_fake(grad, y, b):
     return grad.new_empty(*grad.shape[:-1], b.shape[0])
 
 
-@register_op("fuselab::matmul_relu_grad_a", fake=_grad_a_fake)
-def _grad_a_op(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _grad_a(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """dA = where(y <= 0, 0, grad) @ b^T, shaped like A."""
     out = _grad_a_fake(grad, y, b)
     g2, y2, out2 = _rows(grad), _rows(y), _rows(out)
@@ -377,9 +375,8 @@ def _grad_b_fake(grad, y, a, b):
     return torch.empty_like(b), grad.new_empty(b.shape[1])
 
 
-@register_op("fuselab::matmul_relu_grad_b", fake=_grad_b_fake)
-def _grad_b_op(grad: torch.Tensor, y: torch.Tensor, a: torch.Tensor,
-               b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _grad_b(grad: torch.Tensor, y: torch.Tensor, a: torch.Tensor,
+            b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dB, dbias) = (a^T @ G, G^T @ 1) with G = where(y <= 0, 0, grad); dB laid out like b."""
     grad_b, grad_bias = _grad_b_fake(grad, y, a, b)
     g2, y2, a2 = _rows(grad), _rows(y), _rows(a)
@@ -398,18 +395,53 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
-def _backward(ctx, grad):
-    a, b, y = ctx.saved_tensors
-    need_a, need_b, need_bias = ctx.needs_input_grad
-    grad_a = grad_b = grad_bias = None
-    if need_a:
-        grad_a = torch.ops.fuselab.matmul_relu_grad_a(grad, y, b)
-    if need_b or (need_bias and ctx.has_bias):
-        grad_b, grad_bias = torch.ops.fuselab.matmul_relu_grad_b(grad, y, a, b)
-    return grad_a, grad_b if need_b else None, grad_bias if ctx.has_bias and need_bias else None
+def _backward_using(grad_a_fn, grad_b_fn):
+    def backward(ctx, grad):
+        a, b, y = ctx.saved_tensors
+        need_a, need_b, need_bias = ctx.needs_input_grad
+        grad_a = grad_b = grad_bias = None
+        if need_a:
+            grad_a = grad_a_fn(grad, y, b)
+        if need_b or (need_bias and ctx.has_bias):
+            grad_b, grad_bias = grad_b_fn(grad, y, a, b)
+        return grad_a, grad_b if need_b else None, grad_bias if ctx.has_bias and need_bias else None
+
+    return backward
 
 
+_matmul_relu_op = register_op("fuselab::matmul_relu", fake=_forward_fake)(_forward)
+register_op("fuselab::matmul_relu_grad_a", fake=_grad_a_fake)(_grad_a)
+register_op("fuselab::matmul_relu_grad_b", fake=_grad_b_fake)(_grad_b)
+_backward = _backward_using(torch.ops.fuselab.matmul_relu_grad_a, torch.ops.fuselab.matmul_relu_grad_b)
 _matmul_relu_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerMatmulReLU(torch.autograd.Function):
+    """The registered op's own bodies, called without the dispatcher.
+
+    In eager mode the custom-op dispatch and its autograd wrapper cost more host time than a
+    small GEMM takes on the GPU; when nothing traces or transforms the call (``_untraced``) the
+    same kernels run through this Function instead. Traced calls keep the op, so
+    ``torch.compile`` and ``torch.export`` see ``torch.ops.fuselab.matmul_relu``.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, bias):  # ctx-style: a separate setup_context makes apply() inspect signatures
+        y = _forward(a, b, bias)
+        _setup_context(ctx, (a, b, bias), y)
+        return y
+
+    backward = staticmethod(_backward_using(_grad_a, _grad_b))
+
+
+def _untraced(*tensors: Optional[torch.Tensor]) -> bool:
+    if torch.compiler.is_compiling():  # first: Dynamo folds this and never traces the rest
+        return False
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return (torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
+            and all(t is None or (type(t) in plain and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+                    for t in tensors))
+
 
 # ----------------------------------------------------------------------------------------------
 # Public API
@@ -437,6 +469,8 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
         return matmul_relu_cuda(a, b, bias)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
+    if uses_triton(a) and _untraced(a, b, bias):
+        return _EagerMatmulReLU.apply(a, b, bias)
     return torch.ops.fuselab.matmul_relu(a, b, bias)
 
 

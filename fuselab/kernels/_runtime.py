@@ -34,7 +34,9 @@ def register_op(qualname: str, fake: Callable, mutates_args: Tuple[str, ...] = (
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch a (possibly autotuned) Triton kernel so that ``torch.compile`` can see it.
+    """Launch a (possibly autotuned) Triton kernel; while a graph is being traced (a dispatch mode
+    is active, or Dynamo is compiling) through ``wrap_triton`` so that the graph records it.
+    In eager mode the kernel is called directly, as ``triton_op`` itself does.
 
     Triton launches on the current CUDA device, so the launch runs under the device of the first
     tensor argument (tensors on cuda:1 while cuda:0 is current must not be read from cuda:0).
@@ -42,14 +44,16 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if INTERPRET:
         kernel[grid](*args, **kwargs)
         return
-    from torch.library import wrap_triton
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+        from torch.library import wrap_triton  # being traced: record the launch in the graph
 
+        kernel = wrap_triton(kernel)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     if device.index is None or device.index == torch.cuda.current_device():
-        wrap_triton(kernel)[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs)
     else:
         with torch.cuda.device(device):
-            wrap_triton(kernel)[grid](*args, **kwargs)
+            kernel[grid](*args, **kwargs)
 
 
 def device_name(device: Optional[torch.device] = None) -> str:

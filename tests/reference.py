@@ -48,3 +48,35 @@ def randn(*shape, dtype, device, layout="contiguous"):
     if layout == "sliced":  # every other column of a wider tensor: row stride != columns
         return torch.randn(shape[0], 2 * shape[1], dtype=dtype, device=device)[:, ::2]
     raise ValueError(layout)
+
+
+def check_forward_backward(a, b, bias, dtype, op=None):
+    """``op(a, b, bias)`` (default: fuselab's matmul_relu) and its gradients against float64.
+
+    The gradient reference masks with the op's own output, as documented: the op saves Y and
+    never recomputes it, so an output that rounds to 0 gets a zero gradient in both.
+    """
+    from fuselab.kernels import matmul_relu
+
+    op = op or matmul_relu
+    for t in (a, b, bias):
+        if t is not None:
+            t.requires_grad_(True)
+    y = op(a, b, bias)
+    K = b.shape[0]
+    a64, b64 = a.detach().double(), b.detach().double()
+    bias64 = bias.detach().double() if bias is not None else torch.zeros((), dtype=torch.float64, device=a.device)
+    assert_close(y, torch.relu(a64 @ b64 + bias64),
+                 dot_bound(dtype, K, a64.abs(), b64.abs()) + 2.0**-24 * bias64.abs(), "Y")
+
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    g = torch.where(y.detach() <= 0, 0, dy).double()
+    g2, a2 = g.reshape(-1, g.shape[-1]), a64.reshape(-1, K)
+    N, M = b.shape[1], g2.shape[0]
+    assert_close(a.grad, g @ b64.t(), dot_bound(dtype, N, g.abs(), b64.abs().t()), "dA")
+    assert_close(b.grad, a2.t() @ g2, dot_bound(dtype, M, a2.abs().t(), g2.abs()), "dB")
+    if bias is not None:
+        ones = torch.ones(M, 1, dtype=torch.float64, device=g.device)
+        assert_close(bias.grad, g2.sum(0), dot_bound(dtype, M, g2.abs().t(), ones).squeeze(1), "dbias")
+    return y

@@ -11,42 +11,9 @@ import triton.language as tl
 
 import fuselab
 from fuselab.kernels import _autotune, linear_relu, matmul_relu
-from reference import DEVICES, DTYPES, assert_close, dot_bound, randn
+from reference import DEVICES, DTYPES, check_forward_backward, randn
 
 SHAPES = [(37, 53, 29), (1, 19, 33), (65, 8, 70)]  # (M, K, N): odd, a row of 1, a short K
-
-
-def reference(a, b, bias, grad):
-    """Forward and gradients in float64; the gradient mask comes from the kernel's own output,
-    as documented (the op saves Y and never recomputes it)."""
-    a64, b64 = a.detach().double(), b.detach().double()
-    pre = a64 @ b64 + (bias.detach().double() if bias is not None else 0)
-    return torch.relu(pre)
-
-
-def check_forward_backward(a, b, bias, dtype):
-    a.requires_grad_(True)
-    b.requires_grad_(True)
-    if bias is not None:
-        bias.requires_grad_(True)
-    y = matmul_relu(a, b, bias)
-    K = b.shape[0]
-    a_abs, b_abs = a.detach().double().abs(), b.detach().double().abs()
-    bias_abs = bias.detach().double().abs() if bias is not None else 0
-    assert_close(y, reference(a, b, bias, None), dot_bound(dtype, K, a_abs, b_abs) + 2.0**-24 * bias_abs, "Y")
-
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    g = torch.where(y.detach() <= 0, 0, dy).double()
-    g2, a2 = g.reshape(-1, g.shape[-1]), a.detach().double().reshape(-1, K)
-    N, M = b.shape[1], g2.shape[0]
-    assert_close(a.grad, (g @ b.detach().double().t()), dot_bound(dtype, N, g.abs(), b_abs.t()), "dA")
-    assert_close(b.grad, a2.t() @ g2, dot_bound(dtype, M, a2.abs().t(), g2.abs()), "dB")
-    if bias is not None:
-        ones = torch.ones(M, 1, dtype=torch.float64, device=g.device)
-        bound = dot_bound(dtype, M, g2.abs().t(), ones).squeeze(1)
-        assert_close(bias.grad, g2.sum(0), bound, "dbias")
-    return y
 
 
 @pytest.mark.parametrize("device", DEVICES)

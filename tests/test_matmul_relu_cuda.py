@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fuselab.kernels import matmul_relu
-from reference import assert_close, dot_bound, randn
+from reference import assert_close, check_forward_backward, dot_bound, randn
 
 pytestmark = pytest.mark.slow
 
@@ -48,18 +48,13 @@ def test_forward_backward(extension, dtype, precision, a_layout, b_layout):
     torch.backends.cuda.matmul.allow_tf32 = precision == "high"
     try:
         M, K, N = 300, 259, 133
-        a = randn(M, K, dtype=dtype, device="cuda", layout=a_layout).requires_grad_(True)
-        b = randn(K, N, dtype=dtype, device="cuda", layout=b_layout).requires_grad_(True)
-        bias = torch.randn(N, dtype=dtype, device="cuda", requires_grad=True)
-        y = matmul_relu(a, b, bias, backend="cuda")
-        ref = torch.relu(a.double() @ b.double() + bias.double())
-        assert_close(y, ref.detach(), dot_bound(dtype, K, a.double().abs(), b.double().abs()).detach()
-                     + 2.0**-24 * bias.double().abs().detach(), "Y")
-        y_triton = matmul_relu(a, b, bias)
-        assert_close(y, y_triton.double().detach(), 2 * dot_bound(dtype, K, a.double().abs(), b.double().abs()).detach(),
+        a = randn(M, K, dtype=dtype, device="cuda", layout=a_layout)
+        b = randn(K, N, dtype=dtype, device="cuda", layout=b_layout)
+        bias = torch.randn(N, dtype=dtype, device="cuda")
+        y = check_forward_backward(a, b, bias, dtype, op=lambda a, b, bias: matmul_relu(a, b, bias, backend="cuda"))
+        y_triton = matmul_relu(a.detach(), b.detach(), bias.detach())
+        assert_close(y, y_triton.double(), 2 * dot_bound(dtype, K, a.double().abs(), b.double().abs()).detach(),
                      "vs Triton")
-        y.backward(torch.randn_like(y))
-        assert a.grad is not None and b.grad is not None and bias.grad is not None
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
 

@@ -33,9 +33,18 @@ def register_op(qualname: str, fake: Callable, mutates_args: Tuple[str, ...] = (
     return decorate
 
 
+def is_tracing() -> bool:
+    """Whether a graph may be recording this call: Dynamo compiling, or a mode (FakeTensor, proxy,
+    functionalization, a TorchFunctionMode) active. Dynamo folds the first test, so it never
+    traces the others."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch a (possibly autotuned) Triton kernel; while a graph is being traced (a dispatch mode
-    is active, or Dynamo is compiling) through ``wrap_triton`` so that the graph records it.
+    """Launch a (possibly autotuned) Triton kernel; while ``is_tracing()``, through ``wrap_triton``
+    so that the graph records it.
     In eager mode the kernel is called directly, as ``triton_op`` itself does.
 
     Triton launches on the current CUDA device, so the launch runs under the device of the first
@@ -44,7 +53,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if INTERPRET:
         kernel[grid](*args, **kwargs)
         return
-    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+    if is_tracing():
         from torch.library import wrap_triton  # being traced: record the launch in the graph
 
         kernel = wrap_triton(kernel)

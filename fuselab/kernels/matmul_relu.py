@@ -22,8 +22,8 @@ import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
 from fuselab.kernels._runtime import (INTERPRET, SUPPORTED_DTYPES, check_same_device, check_same_dtype,
-                                      has_tma, launch, max_shared_memory, num_sms, register_op,
-                                      uses_triton)
+                                      has_tma, is_tracing, launch, max_shared_memory, num_sms,
+                                      register_op, uses_triton)
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs
@@ -435,12 +435,12 @@ class _EagerMatmulReLU(torch.autograd.Function):
 
 
 def _untraced(*tensors: Optional[torch.Tensor]) -> bool:
-    if torch.compiler.is_compiling():  # first: Dynamo folds this and never traces the rest
+    """Nothing records or transforms this call: no tracing, no tensor subclass, no vmap/grad wrapper."""
+    if is_tracing():
         return False
     plain = (torch.Tensor, torch.nn.Parameter)
-    return (torch._C._len_torch_dispatch_stack() == 0 and not torch._C._is_torch_function_mode_enabled()
-            and all(t is None or (type(t) in plain and not torch._C._functorch.is_functorch_wrapped_tensor(t))
-                    for t in tensors))
+    return all(t is None or (type(t) in plain and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+               for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------

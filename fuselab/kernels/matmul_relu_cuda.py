@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fuselab.kernels.matmul_relu import _backward, _check_inputs, _setup_context
+from fuselab.kernels.matmul_relu import _backward, _forward_fake, _setup_context
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "matmul_relu.cu"
 
@@ -56,14 +56,9 @@ def load_extension(verbose: bool = False) -> None:
     _register_python_parts()
 
 
-def _fake(a, b, bias):
-    _check_inputs(a, b, bias)
-    return a.new_empty(*a.shape[:-1], b.shape[1])
-
-
 def _register_python_parts():
     for name in ("fuselab::matmul_relu_cuda", "fuselab::matmul_relu_cuda_naive"):
-        torch.library.register_fake(name, _fake)
+        torch.library.register_fake(name, _forward_fake)  # the same contract as the Triton op
     torch.library.register_autograd("fuselab::matmul_relu_cuda", _backward, setup_context=_setup_context)
 
 

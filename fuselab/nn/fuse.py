@@ -86,32 +86,25 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, nn.Lin
     report = FusionReport()
     _fuse_hf_blocks(model, filter_fn, report)
     _fuse_sequentials(model, filter_fn, report)
+    remaining = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in report.skipped
+                 and n not in report.fused]
+    result, reason = model, "not followed by ReLU in a known block or Sequential"
     if report.fused:
         report.method = "module patching"
-        for name in report.fused:
-            report.skipped.pop(name, None)
-    remaining = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in report.skipped]
-    is_hf = any(type(model).__module__.startswith(p) for p in ("transformers.",))
-    if report.fused or is_hf or not remaining:
-        for name in remaining:
-            report.skipped.setdefault(name, "not followed by ReLU in a known block or Sequential")
-        return model, report
-    try:
-        gm = torch.fx.symbolic_trace(model)
-    except Exception as e:  # noqa: BLE001  dynamic control flow etc.: say so, change nothing
-        for name in remaining:
-            report.skipped[name] = f"model not traceable by torch.fx ({type(e).__name__})"
-        return model, report
-    fused = fuse_relu_matmul(gm, filter_fn)
-    if not fused:
-        for name in remaining:
-            report.skipped[name] = "not followed by ReLU (fx graph)"
-        return model, report
-    report.method, report.fused = "torch.fx rewrite", fused
+    elif remaining and not type(model).__module__.startswith("transformers."):  # HF models: adapters only
+        try:
+            gm = torch.fx.symbolic_trace(model)
+        except Exception as e:  # noqa: BLE001  dynamic control flow etc.: say so, change nothing
+            reason = f"model not traceable by torch.fx ({type(e).__name__})"
+        else:
+            report.fused = fuse_relu_matmul(gm, filter_fn)
+            reason = "not followed by ReLU, or its output is used elsewhere (fx graph)"
+            if report.fused:
+                result, report.method = gm, "torch.fx rewrite"
     for name in remaining:
-        if name not in fused:
-            report.skipped[name] = "not followed by ReLU, or its output is used elsewhere (fx graph)"
-    return gm, report
+        if name not in report.fused:
+            report.skipped[name] = reason
+    return result, report
 
 
 # ----------------------------------------------------------------------------------------------

@@ -279,16 +279,10 @@ void launch_wmma(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bia
   T* cp = reinterpret_cast<T*>(out.data_ptr<ScalarT>());
   const dim3 grid((N + BN - 1) / BN, (M + BM - 1) / BM);
   const size_t smem = TileLayout<T>::SMEM;
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  if (b_col) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(wmma_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    wmma_kernel<T, true><<<grid, THREADS, smem, stream>>>(ap, bp, biasp, cp, M, N, K, lda, ldb, aligned16(a, lda),
-                                                          aligned16(b, ldb));
-  } else {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(wmma_kernel<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    wmma_kernel<T, false><<<grid, THREADS, smem, stream>>>(ap, bp, biasp, cp, M, N, K, lda, ldb,
-                                                           aligned16(a, lda), aligned16(b, ldb));
-  }
+  auto kernel = b_col ? wmma_kernel<T, true> : wmma_kernel<T, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, THREADS, smem, c10::cuda::getCurrentCUDAStream()>>>(ap, bp, biasp, cp, M, N, K, lda, ldb,
+                                                                       aligned16(a, lda), aligned16(b, ldb));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

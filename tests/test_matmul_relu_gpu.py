@@ -93,7 +93,7 @@ def test_cuda_graph_capture_and_replay():
     assert_close(y, ref, dot_bound(torch.float16, 384, a.double().abs(), b.double().abs()) + 1e-3, "replay")
 
 
-@pytest.mark.parametrize("mode", ["default", pytest.param("reduce-overhead", marks=pytest.mark.xfail(
+@pytest.mark.parametrize("mode", ["default", pytest.param("reduce-overhead", marks=pytest.mark.xfail(strict=True,
     reason="seen on the H200 (torch 2.11): with dynamic shapes and backward, cudagraph trees report the "
            "forward's saved output as overwritten; forward-only reduce-overhead is tested below"))])
 def test_inductor_dynamic_shapes(mode):

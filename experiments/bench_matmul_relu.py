@@ -111,6 +111,7 @@ def measure_forward_backward(name, dtype_name):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="three shapes, bf16 only")
+    p.add_argument("--shapes", default="all", help="shape names (comma-separated, or 'all')")
     p.add_argument("--dtypes", default="bf16,fp16,fp32")
     p.add_argument("--fp32-shapes", default="all", help="shapes (comma-separated, or 'all') timed in fp32")
     p.add_argument("--inductor", default="8192x8192x8192,8192x8192x256,64x4096x4096",
@@ -124,14 +125,17 @@ def main():
     from tqdm import tqdm
 
     torch.set_float32_matmul_precision("high")
-    shapes = QUICK if args.quick else list(SHAPES)
+    shapes = QUICK if args.quick else list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    unknown = set(shapes) - set(SHAPES)
+    if unknown:
+        sys.exit(f"unknown shapes {sorted(unknown)}: choose from {list(SHAPES)}")
     dtypes = ["bf16"] if args.quick else args.dtypes.split(",")
     inductor = set(SHAPES) if args.inductor == "all" else set(args.inductor.split(",")) - {"none"}
     fp32_shapes = set(shapes) if args.fp32_shapes == "all" else set(args.fp32_shapes.split(","))
     jobs = [(s, d) for d in dtypes for s in shapes if d != "fp32" or s in fp32_shapes]
     fwd = [measure_forward(s, d, d == "bf16" and s in inductor, args.cuda) for s, d in tqdm(jobs, desc="forward")]
     fb_jobs = [(s, d) for d in dtypes for s in (FWD_BWD_SHAPES[:1] if args.quick else FWD_BWD_SHAPES)
-               if s in fp32_shapes or d != "fp32"]
+               if s in shapes and (s in fp32_shapes or d != "fp32")]
     fb = [measure_forward_backward(s, d) for s, d in tqdm(fb_jobs, desc="fwd+bwd")]
     path = save_json("matmul_relu_bench", fwd, {"forward_backward": fb}, out_dir=args.out)
     cols = ["shape", "dtype", "fuselab", "fuselab (CUDA graph)", "torch relu(mm)", "x relu(mm)", "fuselab+bias", "cuBLASLt addmm+relu",

@@ -23,6 +23,8 @@ from fuselab.nn import fuse_linear_relu  # noqa: E402
 from fuselab.report import RESULTS, markdown_table, save_json  # noqa: E402
 
 MODES = ["eager", "default", "reduce-overhead", "max-autotune"]
+COLUMNS = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "first call s", "peak MiB",
+           "graph breaks"]
 
 
 def build(name, tiny, device):
@@ -105,12 +107,39 @@ def run_one(name, mode, precision, train, args, device):
             "graph breaks": breaks}
 
 
+def parse_plan(args):
+    """[(model, task, precision, mode)]: --plan groups 'models:tasks:precisions:modes' joined by ';'
+    (each field comma-separated), or the full grid of --models x --tasks x --precisions x --modes."""
+    groups = args.plan.split(";") if args.plan else [":".join([args.models, args.tasks, args.precisions, args.modes])]
+    grid = []
+    for group in groups:
+        fields = group.strip().split(":")
+        if len(fields) != 4:
+            raise SystemExit(f"--plan group {group!r} must be models:tasks:precisions:modes")
+        grid += itertools.product(*(f.split(",") for f in fields))
+    bad = {mode for *_, mode in grid} - set(MODES)
+    if bad:
+        raise SystemExit(f"unknown modes {sorted(bad)}: choose from {MODES}")
+    return grid
+
+
+def add_speedups(rows):
+    eager = {(r["model"], r["task"], r["precision"]): r["ms/step"] for r in rows if r["mode"] == "eager"}
+    for r in rows:
+        base = eager.get((r["model"], r["task"], r["precision"]))
+        r["speedup vs eager"] = base / r["ms/step"] if base else None
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="resnet50,opt,opt+fuselab")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--tasks", default="train,infer")
+    p.add_argument("--plan", help="instead of the full grid: 'models:tasks:precisions:modes;...', e.g. "
+                                  "'opt,opt+fuselab:train:bf16:eager,default;resnet50:infer:fp32:eager'")
+    p.add_argument("--budget-min", type=float, default=None, help="stop starting new configurations after this")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
@@ -121,16 +150,16 @@ def main(argv=None):
     device = torch.device(args.device)
     from tqdm import tqdm
 
-    grid = list(itertools.product(args.models.split(","), args.tasks.split(","), args.precisions.split(","),
-                                  args.modes.split(",")))
-    rows = [run_one(m, mode, prec, task == "train", args, device) for m, task, prec, mode in tqdm(grid)]
-    eager = {(r["model"], r["task"], r["precision"]): r["ms/step"] for r in rows if r["mode"] == "eager"}
-    for r in rows:
-        base = eager.get((r["model"], r["task"], r["precision"]))
-        r["speedup vs eager"] = base / r["ms/step"] if base else None
-    header = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "first call s", "peak MiB", "graph breaks"]
-    print(markdown_table(header, [[r.get(k) if r.get(k) is not None else "" for k in header] for r in rows]))
-    print(f"saved {save_json(f'compile_speedup_{device.type}', rows, {'tiny': args.tiny}, out_dir=args.out)}")
+    grid, rows, start = parse_plan(args), [], time.perf_counter()
+    for model, task, prec, mode in tqdm(grid):
+        if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
+            print(f"budget of {args.budget_min} min spent: skipped {len(grid) - len(rows)} configurations")
+            break
+        rows.append(run_one(model, mode, prec, task == "train", args, device))
+        # Saved after every configuration, so a run cut short keeps what it measured.
+        path = save_json(f"compile_speedup_{device.type}", add_speedups(rows), {"tiny": args.tiny}, out_dir=args.out)
+    print(markdown_table(COLUMNS, [[r.get(k) if r.get(k) is not None else "" for k in COLUMNS] for r in rows]))
+    print(f"saved {path}")
     return rows
 
 

@@ -79,9 +79,11 @@ def sparse_section(data):
            markdown_table(header, [[r[k] for k in header] for r in rows])]
     tp = data.get("throughput")
     if tp:
-        header = ["optimizer", "fwd+bwd+step ms", "speedup vs SparseAdam", "peak MiB", "step-only ms", "floor ms", "x floor"]
+        from sparse_embedding import THROUGHPUT_COLUMNS as header
+
         floor = next(r for r in tp if "floor bytes" in r)
-        out += ["", "1,000,000 x 128 fp32 embedding, 65,536 random lookups a step (do_bench medians):", "",
+        out += ["", "1,000,000 x 128 fp32 embedding, 65,536 random lookups a step (do_bench medians; `CUDA graph` "
+                "columns replay the same step from a captured graph, without Python's host cost):", "",
                 markdown_table(header, [[r.get(k, "") for k in header] for r in tp]), "",
                 f"Floor of SparseAdamW's step: {floor['floor bytes'] / 1e6:.0f} MB moved (the 65,536 gradient rows and "
                 f"their ids read once; p, m, v of the {floor['unique rows']} touched rows read and written once) at the "

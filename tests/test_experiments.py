@@ -37,9 +37,11 @@ def test_compile_speedup_smoke(tmp_path):
     # The study's machinery end to end on a tiny patched decoder: inductor compiles it with no graph break.
     import compile_speedup
 
-    rows = compile_speedup.main(["--tiny", "--device", "cpu", "--models", "opt+fuselab", "--modes", "eager,default",
-                                 "--precisions", "fp32", "--tasks", "train", "--warmup", "0", "--iters", "1",
-                                 "--out", str(tmp_path)])
+    rows = compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt+fuselab:train:fp32:eager,default",
+                                 "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
     compiled = next(r for r in rows if r["mode"] == "default")
     assert compiled["graph breaks"] == 0 and compiled["ms/step"] > 0
     assert (tmp_path / "compile_speedup_cpu.json").exists()
+    assert compiled["speedup vs eager"] > 0
+    with pytest.raises(SystemExit, match="unknown modes"):
+        compile_speedup.main(["--plan", "opt:train:fp32:turbo"])

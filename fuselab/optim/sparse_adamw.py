@@ -4,7 +4,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 from torch.optim.adamw import adamw
 
-import fuselab.kernels.sparse_adamw  # noqa: F401  registers torch.ops.fuselab.sparse_adamw_update_
+from fuselab.kernels.sparse_adamw import sparse_adamw_update_
 
 
 class SparseAdamW(torch.optim.Optimizer):
@@ -60,6 +60,14 @@ class SparseAdamW(torch.optim.Optimizer):
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    def _step_on_device(self, p: torch.Tensor) -> torch.Tensor:
+        """The step count moved to ``p``'s device, where fused kernels read it: no step waits for the
+        host, and a whole training step can be captured in a CUDA graph."""
+        state = self.state[p]
+        if state["step"].device != p.device:
+            state["step"] = state["step"].to(p.device)
+        return state["step"]
+
     @staticmethod
     def _rows(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """``t`` as (rows, row_numel) with unit-stride rows, or a ValueError that says why not."""
@@ -96,22 +104,19 @@ class SparseAdamW(torch.optim.Optimizer):
                                          f"{tuple(p.shape)}): put such parameters in a group with amsgrad=False")
                     grad = p.grad
                     rows = [self._rows(t, grad) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
+                    self._step_on_device(p)
                     state["step"] += 1
                     values = grad._values().reshape(grad._nnz(), rows[0].shape[1])
-                    torch.ops.fuselab.sparse_adamw_update_(
-                        *rows, grad._indices()[0], values,
-                        float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-                        state["step"].item(), group["maximize"])
+                    sparse_adamw_update_(*rows, grad._indices()[0], values, state["step"], float(group["lr"]),
+                                         beta1, beta2, group["eps"], group["weight_decay"], group["maximize"])
                 else:
                     for lst, t in zip(dense, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                               state.get("max_exp_avg_sq"), state["step"])):
                         lst.append(t)
             if dense[0]:
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = dense
-                if group["fused"]:  # torch's fused kernel keeps its step count on the device
-                    for i, s in enumerate(steps):
-                        if s.device != params[i].device:
-                            self.state[params[i]]["step"] = steps[i] = s.to(params[i].device)
+                if group["fused"]:
+                    steps = [self._step_on_device(p) for p in params]
                 adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if group["amsgrad"] else [], steps,
                       foreach=group["foreach"], fused=group["fused"], amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                       weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])

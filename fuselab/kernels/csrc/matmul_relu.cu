@@ -53,11 +53,33 @@ template <> struct Wmma<__nv_bfloat16> { using frag = __nv_bfloat16; static cons
 template <> struct Wmma<float> { using frag = wmma::precision::tf32; static constexpr int k = 8; };
 
 // ------------------------------------------------------------------------------------------------
-// Tensor-core kernel: 128x128 block tile, BK = 32, 8 warps as 2 (M) x 4 (N), each warp 64x32
+// Tensor-core kernel: BM x BN block tile, BK deep, STAGES-deep cp.async ring, WARPS_M x WARPS_N warps
 // ------------------------------------------------------------------------------------------------
 
-constexpr int BM = 128, BN = 128, BK = 32, WARPS_M = 2, WARPS_N = 4, THREADS = 256;
-constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // 64 x 32 per warp
+// The tile shape is fixed at build time; -D overrides exist so that variants can be built and timed
+// (csrc/NOTES.md lists what was measured).
+#ifndef FUSELAB_BM
+#define FUSELAB_BM 128
+#endif
+#ifndef FUSELAB_BN
+#define FUSELAB_BN 128
+#endif
+#ifndef FUSELAB_BK
+#define FUSELAB_BK 32
+#endif
+#ifndef FUSELAB_WARPS_M
+#define FUSELAB_WARPS_M 2
+#endif
+#ifndef FUSELAB_WARPS_N
+#define FUSELAB_WARPS_N 4
+#endif
+#ifndef FUSELAB_STAGES
+#define FUSELAB_STAGES 3
+#endif
+constexpr int BM = FUSELAB_BM, BN = FUSELAB_BN, BK = FUSELAB_BK, STAGES = FUSELAB_STAGES;
+constexpr int WARPS_M = FUSELAB_WARPS_M, WARPS_N = FUSELAB_WARPS_N, THREADS = 32 * WARPS_M * WARPS_N;
+constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's tile
+static_assert(STAGES >= 2 && WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "unsupported tile shape");
 
 template <typename T>
 struct TileLayout {
@@ -69,7 +91,7 @@ struct TileLayout {
   static constexpr int A_ELEMS = BM * A_LD;
   static constexpr int B_ELEMS = (BK * B_ROW_LD > BN * B_COL_LD) ? BK * B_ROW_LD : BN * B_COL_LD;
   static constexpr int STAGE = A_ELEMS + B_ELEMS;
-  static constexpr size_t SMEM = 2 * STAGE * sizeof(T);
+  static constexpr size_t SMEM = STAGES * STAGE * sizeof(T);
 };
 
 // Copy a rows x cols tile (cols contiguous in global memory, ld = row stride) into shared memory
@@ -124,19 +146,20 @@ __global__ void __launch_bounds__(THREADS) wmma_kernel(const T* __restrict__ A, 
       load_tile<T>(Bs, L::B_ROW_LD, B, ldb, BK, BN, k0, n0, K, N, b_aligned);
   };
 
+  // STAGES-deep ring: tiles kt+1 .. kt+STAGES-1 are in flight while tile kt computes. One commit
+  // group per iteration (empty past the end) keeps wait_group's count uniform.
   const int k_tiles = (K + BK - 1) / BK;
-  load_stage(0, 0);
-  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s * BK);
+    cp_async_commit();
+  }
   for (int kt = 0; kt < k_tiles; ++kt) {
-    if (kt + 1 < k_tiles) {  // prefetch the next tile into the other buffer while this one computes
-      load_stage((kt + 1) % 2, (kt + 1) * BK);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const T* As = smem + (kt % 2) * L::STAGE;
+    cp_async_wait<STAGES - 2>();  // tile kt has landed (this thread's copies) ...
+    __syncthreads();              // ... everyone's, and everyone is done reading slot (kt - 1)
+    if (kt + STAGES - 1 < k_tiles) load_stage((kt + STAGES - 1) % STAGES, (kt + STAGES - 1) * BK);
+    cp_async_commit();
+    const T* As = smem + (kt % STAGES) * L::STAGE;
     const T* Bs = As + L::A_ELEMS;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += WK) {
@@ -161,8 +184,9 @@ __global__ void __launch_bounds__(THREADS) wmma_kernel(const T* __restrict__ A, 
         for (int i = 0; i < WM / 16; ++i) wmma::mma_sync(acc[i][j], a_frag[i], b_frag, acc[i][j]);
       }
     }
-    __syncthreads();  // the buffer just read is the next prefetch's target
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the epilogue reuses the ring's shared memory
 
   // Epilogue: each warp stages one 16x16 fp32 fragment at a time in shared memory, then adds
   // the bias, applies ReLU and writes the rows it owns (guarded at the edges).

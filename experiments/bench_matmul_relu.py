@@ -37,6 +37,8 @@ SHAPES = {
 QUICK = ["8192x8192x8192", "8192x8192x256", "64x4096x4096"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FWD_BWD_SHAPES = ["8192x8192x1024", "4096x4096x4096"]
+CUDA_COLUMNS = ["shape", "dtype", "CUDA C++ naive+bias", "CUDA C++ SIMT+bias (exact fp32)", "CUDA C++ tiled+bias",
+                "fuselab+bias", "cuBLASLt addmm+relu", "torch relu(mm)", "CUDA tiled x naive", "CUDA tiled x cuBLASLt"]
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -49,6 +51,15 @@ def bench(fn, grad_to_none=None) -> float:
     fn()  # autotune / compile outside the timed region
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
+
+
+def exact_fp32(fn, *args, **kwargs):
+    """``fn`` with tf32 off: the CUDA reference then takes its exact SIMT fp32 kernel."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
@@ -71,8 +82,10 @@ def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
     }
     if cuda:  # the CUDA C++ reference (issue 3): tiled WMMA kernel, and the tutorial's naive one in fp32
         providers["CUDA C++ tiled+bias"] = lambda: matmul_relu(a, b, bias, backend="cuda")
-        if dtype == torch.float32 and M * N * K <= 4096**3:
-            providers["CUDA C++ naive+bias"] = lambda: torch.ops.fuselab.matmul_relu_cuda_naive(a, b, bias)
+        if dtype == torch.float32:
+            providers["CUDA C++ SIMT+bias (exact fp32)"] = lambda: exact_fp32(matmul_relu, a, b, bias, backend="cuda")
+            if M * N * K <= 4096**3:
+                providers["CUDA C++ naive+bias"] = lambda: torch.ops.fuselab.matmul_relu_cuda_naive(a, b, bias)
     if inductor:
         compiled = torch.compile(lambda x, y: torch.relu(x @ y), mode="max-autotune-no-cudagraphs")
         providers["inductor max-autotune"] = lambda: compiled(a, b)
@@ -89,6 +102,8 @@ def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
         row["x inductor"] = row["fuselab"] / row["inductor max-autotune"]
     if cuda:
         row["CUDA tiled x cuBLASLt"] = row["CUDA C++ tiled+bias"] / row["cuBLASLt addmm+relu"]
+        if "CUDA C++ naive+bias" in row:
+            row["CUDA tiled x naive"] = row["CUDA C++ tiled+bias"] / row["CUDA C++ naive+bias"]
     return row
 
 
@@ -137,9 +152,12 @@ def main():
     fb_jobs = [(s, d) for d in dtypes for s in (FWD_BWD_SHAPES[:1] if args.quick else FWD_BWD_SHAPES)
                if s in shapes and (s in fp32_shapes or d != "fp32")]
     fb = [measure_forward_backward(s, d) for s, d in tqdm(fb_jobs, desc="fwd+bwd")]
-    path = save_json("matmul_relu_bench", fwd, {"forward_backward": fb}, out_dir=args.out)
+    # --cuda runs are saved apart: they add the CUDA reference's columns, usually over fewer shapes.
+    path = save_json("matmul_relu_bench" + ("_cuda" if args.cuda else ""), fwd, {"forward_backward": fb}, out_dir=args.out)
     cols = ["shape", "dtype", "fuselab", "fuselab (CUDA graph)", "torch relu(mm)", "x relu(mm)", "fuselab+bias", "cuBLASLt addmm+relu",
             "x cuBLASLt", "inductor max-autotune", "x inductor"]
+    if args.cuda:
+        cols = CUDA_COLUMNS
     print(markdown_table(cols, [[r.get(c, "") for c in cols] for r in fwd]))
     cols = ["shape", "dtype", "fuselab", "torch autograd", "x torch"]
     print(markdown_table(cols, [[r[c] for c in cols] for r in fb]))

@@ -284,12 +284,27 @@ def test_autotune_fast_path_matches_triton_key(device, monkeypatch):
     assert list(matmul_relu_kernel.cache) == keys
 
 
-def test_autotune_switch_off_uses_heuristic(monkeypatch):
+def test_autotune_switch_off_uses_heuristic_where_it_fits(tmp_path, monkeypatch):
+    # FUSELAB_AUTOTUNE=0: nothing is timed or stored; the heuristic runs unless pruning drops it
+    # (an fp32 problem needs twice the shared memory), then the first config that survives.
     monkeypatch.setattr(_autotune, "AUTOTUNE", False)
-    heuristic = triton.Config({"BLOCK": 64})
-    tuner = _autotune.autotune([triton.Config({"BLOCK": 16}), heuristic], key=["SIZE_KEY"],
+    monkeypatch.setenv("FUSELAB_CACHE_DIR", str(tmp_path))
+    small, heuristic, large = (triton.Config({"BLOCK": b}) for b in (16, 64, 128))
+
+    def prune(configs, named_args, **kwargs):  # pretend 64-wide tiles do not fit odd sizes
+        return [c for c in configs if named_args["n"] % 2 == 0 or c.kwargs["BLOCK"] != 64]
+
+    tuner = _autotune.autotune([small, large, heuristic], key=["SIZE_KEY"], prune=prune,
                                heuristic=heuristic)(_scale_kernel)
-    assert tuner.configs == [heuristic]
+    assert tuner.configs[0] is heuristic and len(tuner.configs) == 3
+    x = torch.randn(101, device="cuda" if torch.cuda.is_available() else "cpu")
+    want = x * 2
+    tuner[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, 1)
+    assert tuner.best_config is heuristic
+    tuner[lambda m: (triton.cdiv(101, m["BLOCK"]),)](x, 101, 2)
+    assert tuner.best_config is small  # the first survivor, in the given order
+    torch.testing.assert_close(x, torch.cat([want[:100] * 2, want[100:]]))  # both launches ran
+    assert not list(tmp_path.rglob("*.json")), "an untimed choice was stored as a tuned one"
 
 
 def test_bucket():

@@ -2,8 +2,10 @@
 
 A user's second process must not retune: the best config for each tuning key is stored in
 ``$FUSELAB_CACHE_DIR`` (default ``~/.cache/fuselab``) ``/autotune/<gpu>/triton-<version>/<kernel>.json``.
-``FUSELAB_AUTOTUNE=0`` (read at import) keeps only each kernel's heuristic config: no tuning at all.
-Under the Triton interpreter timings mean nothing, so the tuner's ``do_bench`` is a constant.
+``FUSELAB_AUTOTUNE=0`` (read at import) times nothing: each launch takes the kernel's heuristic
+config, or the first config after it that the kernel's pruning keeps (an fp32 problem needs twice
+a 16-bit tile's shared memory). Under the Triton interpreter timings mean nothing, so the tuner's
+``do_bench`` is a constant there too.
 """
 import json
 import os
@@ -26,14 +28,14 @@ def cache_dir() -> Path:
     return root / "autotune" / gpu / f"triton-{triton.__version__}"
 
 
-def _interpreter_bench(fn, quantiles=None, **kwargs):
-    return [1.0, 1.0, 1.0]
+def _constant_bench(fn, quantiles=None, **kwargs):
+    return [1.0, 1.0, 1.0]  # all configs tie: the tuner keeps the first one pruning left
 
 
 class PersistentAutotuner(Autotuner):
     """An Autotuner that reads and writes its choices in a JSON file (see module docstring)."""
 
-    def __init__(self, fn, configs, key, prune=None):
+    def __init__(self, fn, configs, key, prune=None, tune=True):
         super().__init__(
             fn,
             fn.arg_names,
@@ -42,8 +44,9 @@ class PersistentAutotuner(Autotuner):
             reset_to_zero=None,
             restore_value=None,
             prune_configs_by={"early_config_prune": prune} if prune else None,
-            do_bench=_interpreter_bench if INTERPRET else None,
+            do_bench=_constant_bench if INTERPRET or not tune else None,
         )
+        self.tune = tune
         self.cache_results = True  # route every new key through check_disk_cache below
         self.cache_file = cache_dir() / f"{fn.__name__}.json"
         self._key_positions = [(name, fn.arg_names.index(name)) for name in key]
@@ -77,6 +80,9 @@ class PersistentAutotuner(Autotuner):
             return {}
 
     def check_disk_cache(self, tuning_key, configs: List[triton.Config], bench_fn: Callable) -> bool:
+        if not self.tune:  # an untimed choice must not be stored as a tuned one
+            bench_fn()
+            return False
         entry = repr(tuning_key)
         by_name = {str(c): c for c in configs}
         stored = self._load().get(entry)
@@ -100,12 +106,14 @@ class PersistentAutotuner(Autotuner):
 
 def autotune(configs: List[triton.Config], key: List[str], prune: Optional[Callable] = None,
              heuristic: Optional[triton.Config] = None):
-    """Decorator like ``triton.autotune``; with FUSELAB_AUTOTUNE=0 only ``heuristic`` is kept."""
-    if not AUTOTUNE and heuristic is not None:
-        configs = [heuristic]
+    """Decorator like ``triton.autotune``; with FUSELAB_AUTOTUNE=0 nothing is timed and ``heuristic``
+    (put first) is used wherever ``prune`` keeps it."""
+    tune = AUTOTUNE or heuristic is None
+    if not tune:
+        configs = [heuristic] + [c for c in configs if c is not heuristic]
 
     def decorate(fn):
-        return PersistentAutotuner(fn, configs, key, prune)
+        return PersistentAutotuner(fn, configs, key, prune, tune=tune)
 
     return decorate
 

@@ -71,7 +71,7 @@ template <> struct Wmma<float> { using frag = wmma::precision::tf32; static cons
 #define FUSELAB_WARPS_M 2
 #endif
 #ifndef FUSELAB_WARPS_N
-#define FUSELAB_WARPS_N 4
+#define FUSELAB_WARPS_N 2
 #endif
 #ifndef FUSELAB_STAGES
 #define FUSELAB_STAGES 3

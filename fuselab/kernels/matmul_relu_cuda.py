@@ -64,7 +64,10 @@ def _register_python_parts():
 
 def matmul_relu_cuda(a, b, bias=None, naive: bool = False):
     """``relu(a @ b + bias)`` by the CUDA C++ kernels (``naive``: the tutorial's fp32 kernel)."""
-    load_extension()
+    # Dynamo cannot trace the build (os.environ, files): a compiled graph relies on an earlier eager
+    # call or load_extension() having registered the op.
+    if not torch.compiler.is_compiling():
+        load_extension()
     if not a.is_cuda:
         raise RuntimeError(f"the CUDA reference needs CUDA tensors, got a on {a.device}")
     op = torch.ops.fuselab.matmul_relu_cuda_naive if naive else torch.ops.fuselab.matmul_relu_cuda

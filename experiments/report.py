@@ -32,7 +32,7 @@ def matmul_relu_section(data):
             "cuBLASLt addmm+relu", "x cuBLASLt", "inductor max-autotune", "x inductor"]
     out = [env_line(data), "", "Forward, TFLOP/s (higher is better; `x` columns are fuselab / peer). "
            "`fuselab` and every peer are eager calls; `fuselab (CUDA graph)` replays the same launch from a "
-           "graph, i.e. without Python's per-call host cost (95-145 us for the op in two runs, vs 18-23 us for "
+           "graph, i.e. without Python's per-call host cost (94-145 us for the op over three runs, vs 18-23 us for "
            "`torch.relu(a @ b)`; `experiments/host_overhead.py`).", "",
            markdown_table(cols, [[r.get(c, "") for c in cols] for r in rows]), ""]
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
@@ -45,6 +45,47 @@ def matmul_relu_section(data):
         out += ["", "Forward + backward with bias (3 GEMMs' FLOPs), TFLOP/s:", "",
                 markdown_table(cols, [[r[c] for c in cols] for r in fb])]
     return "\n".join(out)
+
+
+def cuda_section(data):
+    from bench_matmul_relu import CUDA_COLUMNS
+
+    return "\n".join([env_line(data), "", "Forward with bias, TFLOP/s, eager calls, one run with every peer on the same inputs "
+                      "(fp32: tf32 for the tiled kernel, Triton and cuBLAS; the SIMT kernel is exact fp32, the naive "
+                      "kernel is the tutorial's):", "",
+                      markdown_table(CUDA_COLUMNS, [[r.get(c, "") for c in CUDA_COLUMNS] for r in data["rows"]])])
+
+
+def compile_section(data):
+    from compile_speedup import COLUMNS
+
+    return "\n".join([env_line(data), "", "Training = forward + backward + SGD step; ms/step is the mean of 20 steps "
+                      "after 5 warm-up steps; `first call s` includes compilation; graph breaks as counted by "
+                      "`torch._dynamo.explain` (blank for eager):", "",
+                      markdown_table(COLUMNS, [[r.get(k) if r.get(k) is not None else "" for k in COLUMNS]
+                                               for r in data["rows"]])])
+
+
+def plot_compile(data):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if r["mode"] != "eager"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['model']}\n{r['task']} {r['precision']}\n{r['mode']}" for r in rows]
+    speedups = [r["speedup vs eager"] for r in rows]
+    ax.bar(range(len(rows)), speedups, color=["tab:green" if x >= 1 else "tab:red" for x in speedups])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("speedup vs eager (same model, task, precision)")
+    ax.set_title(f"torch.compile on {data['environment']['gpu']}")
+    fig.tight_layout()
+    path = RESULTS / "compile_speedup.png"
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def plot_matmul_relu(data):
@@ -104,6 +145,13 @@ def main():
     if data:
         update_readme_section("matmul_relu", matmul_relu_section(data))
         print(f"plot: {plot_matmul_relu(data)}")
+    data = load("matmul_relu_bench_cuda")
+    if data:
+        update_readme_section("matmul_relu_cuda", cuda_section(data))
+    data = load("compile_speedup_cuda")
+    if data:
+        update_readme_section("compile_speedup", compile_section(data))
+        print(f"plot: {plot_compile(data)}")
     data = load("sparse_embedding_cuda") or load("sparse_embedding_cpu")
     if data:
         update_readme_section("sparse_embedding", sparse_section(data))

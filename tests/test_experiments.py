@@ -30,6 +30,25 @@ def test_bench_refuses_without_gpu():
     sys.argv = ["bench_matmul_relu.py", "--quick"]
     with pytest.raises(SystemExit, match="GPU"):
         bench_matmul_relu.main()
+    import sweep_cuda_tiles
+
+    sys.argv = ["sweep_cuda_tiles.py"]
+    with pytest.raises(SystemExit, match="GPU"):
+        sweep_cuda_tiles.main()
+
+
+def test_report_renders_every_committed_result():
+    # The README tables come from results/*.json: each committed file must render.
+    import report
+
+    sections = {"matmul_relu_bench": report.matmul_relu_section, "matmul_relu_bench_cuda": report.cuda_section,
+                "compile_speedup_cuda": report.compile_section, "sparse_embedding_cuda": report.sparse_section,
+                "mlp_cuda": report.mlp_section}
+    for name, render in sections.items():
+        data = report.load(name)
+        assert data is not None, f"results/{name}.json is missing"
+        text = render(data)
+        assert data["environment"]["git_commit"] in text and "|---|" in text
 
 
 @pytest.mark.slow

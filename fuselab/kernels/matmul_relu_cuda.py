@@ -9,6 +9,7 @@ autograd through the Triton backward kernels. ``python -m fuselab.kernels.build`
 import functools
 import os
 from pathlib import Path
+from typing import Dict, Optional
 
 import torch
 
@@ -34,9 +35,14 @@ def _cuda_home():
     return home
 
 
-@functools.lru_cache(maxsize=None)
-def load_extension(verbose: bool = False) -> None:
-    """Build (once, cached on disk) and load the extension; RuntimeError says what is missing."""
+def build_extension(tile: Optional[Dict[str, int]] = None, verbose: bool = False) -> None:
+    """Compile ``csrc/matmul_relu.cu`` (cached on disk) and load it, which registers its ops.
+
+    ``tile`` overrides the kernel's build-time tile constants, e.g. ``{"BN": 256, "STAGES": 4}``
+    (keys BM, BN, BK, WARPS_M, WARPS_N, STAGES), built under its own name: a sweep builds each
+    variant in its own process, since every variant registers the same op names.
+    RuntimeError says what is missing.
+    """
     home = _cuda_home()
     if home:
         os.environ["CUDA_HOME"] = home
@@ -47,12 +53,21 @@ def load_extension(verbose: bool = False) -> None:
     if cpp_extension.CUDA_HOME is None:
         raise RuntimeError("building fuselab's CUDA reference needs nvcc: set CUDA_HOME to a CUDA toolkit "
                            "(the Triton kernels need neither)")
+    tile = tile or {}
+    name = "fuselab_cuda" + "".join(f"_{k.lower()}{v}" for k, v in sorted(tile.items()))
     root = Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
-    build_dir = root / "torch_extensions" / f"torch-{torch.__version__}"
+    build_dir = root / "torch_extensions" / f"torch-{torch.__version__}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name="fuselab_cuda", sources=[str(SOURCE)], build_directory=str(build_dir),
-                       extra_cuda_cflags=["-O3", *_arch_flags()], is_python_module=False,
+    defines = [f"-DFUSELAB_{k}={v}" for k, v in sorted(tile.items())]
+    cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                       extra_cuda_cflags=["-O3", *_arch_flags(), *defines], is_python_module=False,
                        verbose=verbose)
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(verbose: bool = False) -> None:
+    """Build (once, cached on disk) and load the default extension, then add the Python parts."""
+    build_extension(verbose=verbose)
     _register_python_parts()
 
 

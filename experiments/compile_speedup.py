@@ -60,7 +60,10 @@ def run_one(name, mode, precision, train, args, device):
     if name.startswith("resnet50") and args.channels_last:
         model = model.to(memory_format=torch.channels_last)
         inputs = (inputs[0].to(memory_format=torch.channels_last),)
-    model.train(train)
+    # The decoder has no dropout (0.0) and no LayerDrop, so its training math equals eval mode; eval
+    # mode skips transformers' per-layer LayerDrop draw (through 5.17 `torch.rand([]) < layerdrop` is
+    # evaluated in Python even at 0.0: one graph break per layer). ResNet-50 needs train mode (BatchNorm).
+    model.train(train and not name.startswith("opt"))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4) if train else None
 
     def forward(*x):

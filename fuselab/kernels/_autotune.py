@@ -4,8 +4,9 @@ A user's second process must not retune: the best config for each tuning key is 
 ``$FUSELAB_CACHE_DIR`` (default ``~/.cache/fuselab``) ``/autotune/<gpu>/triton-<version>/<kernel>.json``.
 ``FUSELAB_AUTOTUNE=0`` (read at import) times nothing: each launch takes the kernel's heuristic
 config, or the first config after it that the kernel's pruning keeps (an fp32 problem needs twice
-a 16-bit tile's shared memory). Under the Triton interpreter timings mean nothing, so the tuner's
-``do_bench`` is a constant there too.
+a 16-bit tile's shared memory). This governs eager launches: under ``torch.compile`` inductor
+tunes user kernels over ``configs`` itself. Under the Triton interpreter timings mean nothing, so
+the tuner's ``do_bench`` is a constant there too.
 """
 import json
 import os

@@ -55,11 +55,12 @@ def bench(fn, grad_to_none=None) -> float:
 
 def exact_fp32(fn, *args, **kwargs):
     """``fn`` with tf32 off: the CUDA reference then takes its exact SIMT fp32 kernel."""
+    allowed = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         return fn(*args, **kwargs)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
 def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):

@@ -199,3 +199,28 @@ def test_training_step_captured_in_cuda_graph():
     torch.cuda.synchronize()
     assert opt.state[emb.weight]["step"].item() == len(batches)
     torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_update_takes_the_op_only_when_traced():
+    # Eager calls run the body directly (no dispatcher); under a dispatch mode the op itself is recorded.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fuselab.kernels.sparse_adamw import sparse_adamw_update_
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    args = (torch.randn(7, 5), torch.zeros(7, 5), torch.zeros(7, 5), torch.tensor([4, 1, 4]), torch.randn(3, 5),
+            torch.tensor(1.0), 0.01, 0.9, 0.999, 1e-8, 0.0, False)
+    before = args[0].clone()
+    sparse_adamw_update_(*args)
+    assert not torch.equal(args[0], before)
+    with Record() as rec:
+        sparse_adamw_update_(*args)
+    assert any("fuselab.sparse_adamw_update_" in op for op in rec.ops), rec.ops

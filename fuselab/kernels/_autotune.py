@@ -18,13 +18,13 @@ from typing import Callable, Dict, List, Optional
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from fuselab.kernels._runtime import INTERPRET, device_name
+from fuselab.kernels._runtime import INTERPRET, cache_root, device_name
 
 AUTOTUNE = os.environ.get("FUSELAB_AUTOTUNE", "1") != "0"
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
+    root = cache_root()
     gpu = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name())
     return root / "autotune" / gpu / f"triton-{triton.__version__}"
 

@@ -7,6 +7,7 @@ tests) ``wrap_triton`` cannot be traced, so the same body is registered as a pla
 """
 import functools
 import os
+from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -40,6 +41,21 @@ def is_tracing() -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+
+
+def untraced(*tensors: Optional[torch.Tensor]) -> bool:
+    """Nothing records or transforms this call: no tracing, no tensor subclass (DTensor, say), no
+    vmap/grad wrapper. Then an op's body may run without the custom-op dispatcher."""
+    if is_tracing():
+        return False
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return all(t is None or (type(t) in plain and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+               for t in tensors)
+
+
+def cache_root() -> Path:
+    """Where fuselab keeps autotune choices and built extensions: ``$FUSELAB_CACHE_DIR`` or ~/.cache/fuselab."""
+    return Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:

@@ -22,8 +22,8 @@ import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
 from fuselab.kernels._runtime import (INTERPRET, SUPPORTED_DTYPES, check_same_device, check_same_dtype,
-                                      has_tma, is_tracing, launch, max_shared_memory, num_sms,
-                                      register_op, uses_triton)
+                                      has_tma, launch, max_shared_memory, num_sms, register_op, untraced,
+                                      uses_triton)
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs
@@ -420,7 +420,7 @@ class _EagerMatmulReLU(torch.autograd.Function):
     """The registered op's own bodies, called without the dispatcher.
 
     In eager mode the custom-op dispatch and its autograd wrapper cost more host time than a
-    small GEMM takes on the GPU; when nothing traces or transforms the call (``_untraced``) the
+    small GEMM takes on the GPU; when nothing traces or transforms the call (``untraced``) the
     same kernels run through this Function instead. Traced calls keep the op, so
     ``torch.compile`` and ``torch.export`` see ``torch.ops.fuselab.matmul_relu``.
     """
@@ -432,15 +432,6 @@ class _EagerMatmulReLU(torch.autograd.Function):
         return y
 
     backward = staticmethod(_backward_using(_grad_a, _grad_b))
-
-
-def _untraced(*tensors: Optional[torch.Tensor]) -> bool:
-    """Nothing records or transforms this call: no tracing, no tensor subclass, no vmap/grad wrapper."""
-    if is_tracing():
-        return False
-    plain = (torch.Tensor, torch.nn.Parameter)
-    return all(t is None or (type(t) in plain and not torch._C._functorch.is_functorch_wrapped_tensor(t))
-               for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,7 +460,7 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
         return matmul_relu_cuda(a, b, bias)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
-    if uses_triton(a) and _untraced(a, b, bias):
+    if uses_triton(a) and untraced(a, b, bias):
         return _EagerMatmulReLU.apply(a, b, bias)
     return torch.ops.fuselab.matmul_relu(a, b, bias)
 

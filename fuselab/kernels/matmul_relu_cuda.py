@@ -13,6 +13,7 @@ from typing import Dict, Optional
 
 import torch
 
+from fuselab.kernels._runtime import cache_root
 from fuselab.kernels.matmul_relu import _backward, _forward_fake, _setup_context
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "matmul_relu.cu"
@@ -55,8 +56,7 @@ def build_extension(tile: Optional[Dict[str, int]] = None, verbose: bool = False
                            "(the Triton kernels need neither)")
     tile = tile or {}
     name = "fuselab_cuda" + "".join(f"_{k.lower()}{v}" for k, v in sorted(tile.items()))
-    root = Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
-    build_dir = root / "torch_extensions" / f"torch-{torch.__version__}" / name
+    build_dir = cache_root() / "torch_extensions" / f"torch-{torch.__version__}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     defines = [f"-DFUSELAB_{k}={v}" for k, v in sorted(tile.items())]
     cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),

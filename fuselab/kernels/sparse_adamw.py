@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._runtime import is_tracing, launch, register_op, uses_triton
+from fuselab.kernels._runtime import launch, register_op, untraced, uses_triton
 
 
 @triton.jit
@@ -127,5 +127,6 @@ def sparse_adamw_update_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq:
     ``fuselab.optim.SparseAdamW``. Eager calls skip the custom-op dispatcher (its host cost is
     most of a small step's); traced calls record ``torch.ops.fuselab.sparse_adamw_update_``.
     """
-    op = torch.ops.fuselab.sparse_adamw_update_ if is_tracing() else _update
+    plain = untraced(param, exp_avg, exp_avg_sq, indices, values, step)
+    op = _update if plain else torch.ops.fuselab.sparse_adamw_update_
     op(param, exp_avg, exp_avg_sq, indices, values, step, lr, beta1, beta2, eps, weight_decay, maximize)

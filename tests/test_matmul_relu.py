@@ -2,6 +2,7 @@
 
 On a CPU the Triton kernels run in the interpreter (conftest); on a GPU run `pytest -m gpu`.
 """
+import importlib
 import json
 
 import pytest
@@ -12,6 +13,8 @@ import triton.language as tl
 import fuselab
 from fuselab.kernels import _autotune, linear_relu, matmul_relu
 from reference import DEVICES, DTYPES, check_forward_backward, randn
+
+matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu")  # the package re-exports the function
 
 SHAPES = [(37, 53, 29), (1, 19, 33), (65, 8, 70)]  # (M, K, N): odd, a row of 1, a short K
 
@@ -37,6 +40,18 @@ def test_layouts(device, dtype, a_layout, b_layout):
     b = randn(K, N, dtype=dtype, device=device, layout=b_layout)
     assert a_layout == "contiguous" or not a.is_contiguous()
     check_forward_backward(a, b, torch.randn(N, dtype=dtype, device=device), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_on_load", [True, False], ids=["mask-on-load", "grad-written"])
+@pytest.mark.parametrize("a_layout,b_layout", [("transposed", "sliced"), ("sliced", "transposed")])
+def test_both_backward_paths(device, mask_on_load, a_layout, b_layout, monkeypatch):
+    # The backward masks dY on load (no TMA) or writes G once (TMA): both must be right anywhere.
+    monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: mask_on_load)
+    dtype = torch.float32
+    a = randn(37, 29, dtype=dtype, device=device, layout=a_layout)
+    b = randn(29, 22, dtype=dtype, device=device, layout=b_layout)
+    check_forward_backward(a, b, torch.randn(22, dtype=dtype, device=device), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -279,6 +279,10 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
         if rowsum is not None:
             rowsum.copy_((a if mask is None else _relu_grad(a, mask)).sum(1, dtype=torch.float32))
         return
+    if bias is None and mask is None and rowsum is None and c.stride(0) == 1 and c.stride(1) != 1:
+        # A column-major C (e.g. the gradient of weight.t()) is computed as C^T = B^T A^T, row-major:
+        # the TMA body stores row-major tiles only.
+        return _gemm(b.t(), a.t(), c.t(), relu=relu, config=config)
     tma_ok = False
     if has_tma(a.device) and mask is None and rowsum is None and K > 0:
         tma_ok = (_tma_row_major(a) is not None and _tma_row_major(b) is not None

@@ -1,13 +1,16 @@
 """Fused lazy AdamW update for the rows a sparse (COO) gradient touches, in one Triton kernel.
 
 The gradient arrives uncoalesced (``nn.Embedding(sparse=True)`` emits one row per lookup).
-Instead of ``grad.coalesce()`` (which writes the summed rows out) the row indices are sorted
-(stably, so the summation order is fixed) and the program at the start of each run of equal
-indices sums that run's gradient rows in registers, then reads m, v, p once and writes them
-once. Programs in the middle of a run exit at once. No atomics: bitwise deterministic.
-The step count is read from device memory and nothing syncs with the host, so the whole
-training step can be captured in a CUDA graph. Math is fp32 (fp16/bf16/fp32 parameters);
-float64 parameters take the PyTorch path.
+Instead of ``grad.coalesce()`` (which sorts, then writes the summed rows out) each row's
+lookups are linked into a list: a row-sized int32 scratch holds each touched row's head and
+``atomic_xchg`` pushes every lookup onto its row's list (a gather, a scatter, no sort: sorting
+65,536 keys took as long as the update itself on an H200). The program whose lookup ended up at
+the head owns the row: it sums the row's gradients in registers in increasing lookup order (so
+the result is bitwise deterministic whatever order the list was linked in), reads m, v, p once
+and writes them once; every other program exits at once. The scratch is 4 bytes a row, under
+1/(3 dim) of the optimizer state. The step count is read from device memory and nothing syncs
+with the host, so the whole training step can be captured in a CUDA graph. Math is fp32
+(fp16/bf16/fp32 parameters); float64 parameters take the PyTorch path.
 """
 import math
 
@@ -17,41 +20,61 @@ import triton.language as tl
 
 from fuselab.kernels._runtime import launch, register_op, untraced, uses_triton
 
+LINK_BLOCK = 1024
+
+
+@triton.jit
+def link_lookups_kernel(heads_ptr, next_ptr, indices_ptr, nnz, BLOCK: tl.constexpr):
+    # heads[row] was reset to -1 for every touched row; afterwards heads[row] -> next -> ... -> -1
+    # visits each lookup of the row once.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < nnz
+    rows = tl.load(indices_ptr + offs, mask=live, other=0)
+    prev = tl.atomic_xchg(heads_ptr + rows, offs, mask=live)
+    tl.store(next_ptr + offs, prev, mask=live)
+
 
 @triton.jit
 def sparse_adamw_kernel(
-    param_ptr, exp_avg_ptr, exp_avg_sq_ptr, rows_ptr, order_ptr, values_ptr, step_ptr,
+    param_ptr, exp_avg_ptr, exp_avg_sq_ptr, indices_ptr, heads_ptr, next_ptr, values_ptr, step_ptr,
     nnz, dim, stride_p, stride_m, stride_v, stride_g,
     lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
     MAXIMIZE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     i = tl.program_id(0)
-    row = tl.load(rows_ptr + i)
-    prev = tl.load(rows_ptr + i - 1, mask=i > 0, other=-1)
-    if prev != row:  # this program starts a run of equal row indices
+    row = tl.load(indices_ptr + i).to(tl.int64)
+    if tl.load(heads_ptr + row) == i:  # this program owns the row
         # Bias corrections from the step count on the device: 1 - beta**t = 1 - 2**(t*log2(beta)).
         t = tl.load(step_ptr).to(tl.float32)
         bias_correction1 = 1 - tl.exp2(t * log2_beta1)
         bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(t * log2_beta2))
-        first = tl.load(order_ptr + i).to(tl.int64)
-        row64 = row.to(tl.int64)
+        lookups = 0  # the length of the row's list
+        j = i
+        while j >= 0:
+            lookups += 1
+            j = tl.load(next_ptr + j)
         for d0 in range(0, dim, BLOCK_D):
             offs = d0 + tl.arange(0, BLOCK_D)
             in_row = offs < dim
-            g = tl.load(values_ptr + first * stride_g + offs, mask=in_row, other=0.0).to(tl.float32)
-            j = i + 1
-            while tl.load(rows_ptr + j, mask=j < nnz, other=-1) == row:  # duplicates, in sorted order
-                src = tl.load(order_ptr + j).to(tl.int64)
-                g += tl.load(values_ptr + src * stride_g + offs, mask=in_row, other=0.0).to(tl.float32)
-                j += 1
-            if MAXIMIZE:
-                g = -g
-            p_ptrs = param_ptr + row64 * stride_p + offs
-            m_ptrs = exp_avg_ptr + row64 * stride_m + offs
-            v_ptrs = exp_avg_sq_ptr + row64 * stride_v + offs
+            p_ptrs = param_ptr + row * stride_p + offs
+            m_ptrs = exp_avg_ptr + row * stride_m + offs
+            v_ptrs = exp_avg_sq_ptr + row * stride_v + offs
             p = tl.load(p_ptrs, mask=in_row).to(tl.float32)
             m = tl.load(m_ptrs, mask=in_row).to(tl.float32)
             v = tl.load(v_ptrs, mask=in_row).to(tl.float32)
+            # Sum the lookups in increasing order: pick the smallest lookup past the last one added.
+            g = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            added = -1
+            for _ in range(lookups):
+                pick = nnz
+                j = i
+                while j >= 0:
+                    pick = tl.where((j > added) & (j < pick), j, pick)
+                    j = tl.load(next_ptr + j)
+                g += tl.load(values_ptr + pick.to(tl.int64) * stride_g + offs, mask=in_row, other=0.0).to(tl.float32)
+                added = pick
+            if MAXIMIZE:
+                g = -g
             m = beta1 * m + (1 - beta1) * g
             v = beta2 * v + (1 - beta2) * g * g
             p = p * (1 - lr * weight_decay)
@@ -68,11 +91,14 @@ def _log2(beta: float) -> float:
 def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps,
                         weight_decay, step, maximize) -> None:
     nnz, dim = values.shape
-    # 32-bit keys halve the radix-sort passes; the sort dominates the kernel for small batches.
-    keys = indices.to(torch.int32) if param.shape[0] < 2**31 else indices
-    rows, order = torch.sort(keys, stable=True)
+    if nnz >= 2**31:
+        raise ValueError(f"at most 2**31 - 1 lookups a step, got {nnz}")
+    heads = torch.empty(param.shape[0], dtype=torch.int32, device=param.device)
+    heads.index_fill_(0, indices, -1)  # only touched rows are ever read
+    nxt = torch.empty(nnz, dtype=torch.int32, device=param.device)
+    launch(link_lookups_kernel, (triton.cdiv(nnz, LINK_BLOCK),), heads, nxt, indices, nnz, BLOCK=LINK_BLOCK)
     block_d = min(triton.next_power_of_2(dim), 1024)
-    launch(sparse_adamw_kernel, (nnz,), param, exp_avg, exp_avg_sq, rows, order, values, step, nnz, dim,
+    launch(sparse_adamw_kernel, (nnz,), param, exp_avg, exp_avg_sq, indices, heads, nxt, values, step, nnz, dim,
            param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0), values.stride(0), lr, beta1, beta2,
            _log2(beta1), _log2(beta2), eps, weight_decay, MAXIMIZE=maximize, BLOCK_D=block_d,
            num_warps=min(max(block_d // 128, 1), 8))  # 4 columns a thread: 16-byte accesses

@@ -343,8 +343,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
-def _relu_grad(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.where(y <= 0, torch.zeros_like(grad), grad)  # PyTorch's threshold_backward
+def _relu_grad(grad: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
+    """ReLU's gradient from its output, as torch.relu's backward: 0 where y <= 0 (y None: grad)."""
+    return grad if y is None else torch.ops.aten.threshold_backward(grad, y, 0)
 
 
 def _mask_on_load(grad: torch.Tensor) -> bool:
@@ -375,16 +376,15 @@ def _grad_a_fake(grad, y, b):
     return grad.new_empty(*grad.shape[:-1], b.shape[0])
 
 
-def _grad_a(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """dA = where(y <= 0, 0, grad) @ b^T, shaped like A."""
+def _grad_a(grad: torch.Tensor, y: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    """dA = G @ b^T with G = where(y <= 0, 0, grad) (``y`` None: ``grad`` is G), shaped like A."""
     out = _grad_a_fake(grad, y, b)
-    g2, y2, out2 = _rows(grad), _rows(y), _rows(out)
-    if not uses_triton(grad):
-        out2.copy_(_relu_grad(g2, y2) @ b.t())
-    elif _mask_on_load(g2):
+    g2, out2 = _rows(grad), _rows(out)
+    y2 = None if y is None else _rows(y)
+    if uses_triton(grad):
         _gemm(g2, b.t(), out2, mask=y2)
     else:
-        _gemm(_relu_grad(g2, y2), b.t(), out2)
+        out2.copy_(_relu_grad(g2, y2) @ b.t())
     return out
 
 
@@ -392,12 +392,13 @@ def _grad_b_fake(grad, y, a, b):
     return torch.empty_like(b), grad.new_empty(b.shape[1])
 
 
-def _grad_b(grad: torch.Tensor, y: torch.Tensor, a: torch.Tensor,
+def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
             b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dB, dbias) = (a^T @ G, G^T @ 1) with G = where(y <= 0, 0, grad); dB laid out like b."""
+    """(dB, dbias) = (a^T @ G, G^T @ 1) with G as in ``_grad_a``; dB laid out like b."""
     grad_b, grad_bias = _grad_b_fake(grad, y, a, b)
-    g2, y2, a2 = _rows(grad), _rows(y), _rows(a)
-    if uses_triton(grad) and _mask_on_load(g2):  # as dB^T = G^T @ A: the masked operand is the left one
+    g2, a2 = _rows(grad), _rows(a)
+    y2 = None if y is None else _rows(y)
+    if uses_triton(grad) and y2 is not None:  # as dB^T = G^T @ A: the masked operand is the left one
         _gemm(g2.t(), a2, grad_b.t(), mask=y2.t(), rowsum=grad_bias)
         return grad_b, grad_bias
     g = _relu_grad(g2, y2)
@@ -420,6 +421,8 @@ def _backward_using(grad_a_fn, grad_b_fn):
         a, b, y = ctx.saved_tensors
         need_a, need_b, need_bias = ctx.needs_input_grad
         grad_a = grad_b = grad_bias = None
+        if not _mask_on_load(grad):  # G written once, shared by both products
+            grad, y = _relu_grad(grad, y), None
         if need_a:
             grad_a = grad_a_fn(grad, y, b)
         if need_b or (need_bias and ctx.has_bias):

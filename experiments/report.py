@@ -39,31 +39,41 @@ def matmul_relu_section(data):
         sel = [r for r in rows if r["dtype"] == dtype]
         out.append(f"- {dtype}: geometric mean fuselab+bias / cuBLASLt = {geomean([r['x cuBLASLt'] for r in sel]):.2f}x "
                    f"over {len(sel)} shapes; fuselab / relu(mm) = {geomean([r['x relu(mm)'] for r in sel]):.2f}x")
+    return "\n".join(out + forward_backward_table(data))
+
+
+def forward_backward_table(data):
     fb = data.get("forward_backward", [])
-    if fb:
-        cols = ["shape", "dtype", "fuselab", "torch autograd", "x torch"]
-        out += ["", "Forward + backward with bias (3 GEMMs' FLOPs), TFLOP/s:", "",
-                markdown_table(cols, [[r[c] for c in cols] for r in fb])]
-    return "\n".join(out)
+    cols = ["shape", "dtype", "fuselab", "torch autograd", "x torch"]
+    return ["", "Forward + backward with bias (3 GEMMs' FLOPs), TFLOP/s:", "",
+            markdown_table(cols, [[r[c] for c in cols] for r in fb])] if fb else []
 
 
-def cuda_section(data):
+def cuda_section(data, sweep):
     from bench_matmul_relu import CUDA_COLUMNS
+    from sweep_cuda_tiles import COLUMNS as SWEEP_COLUMNS
 
-    return "\n".join([env_line(data), "", "Forward with bias, TFLOP/s, eager calls, one run with every peer on the same inputs "
-                      "(fp32: tf32 for the tiled kernel, Triton and cuBLAS; the SIMT kernel is exact fp32, the naive "
-                      "kernel is the tutorial's):", "",
-                      markdown_table(CUDA_COLUMNS, [[r.get(c, "") for c in CUDA_COLUMNS] for r in data["rows"]])])
+    out = [env_line(data), "", "Forward with bias, TFLOP/s, eager calls, one run with every peer on the same inputs "
+           "(fp32: tf32 for the tiled kernel, Triton and cuBLAS; the SIMT kernel is exact fp32, the naive "
+           "kernel is the tutorial's):", "",
+           markdown_table(CUDA_COLUMNS, [[r.get(c, "") for c in CUDA_COLUMNS] for r in data["rows"]])]
+    out += forward_backward_table(data)
+    if sweep:
+        out += ["", f"Tile sweep of the bf16 mma.sync kernel, 4096^3 with bias (`experiments/sweep_cuda_tiles.py`; "
+                f"cuBLAS `relu(a @ b)` timed in each variant's process). {env_line(sweep)}", "",
+                markdown_table(SWEEP_COLUMNS, [[r.get(c, "") for c in SWEEP_COLUMNS] for r in sweep["rows"]])]
+    return "\n".join(out)
 
 
 def compile_section(data):
     from compile_speedup import COLUMNS
 
+    cols = COLUMNS + ["commit"] if any("commit" in r for r in data["rows"]) else COLUMNS  # rows merged from runs
     return "\n".join([env_line(data), "", "Training = forward + backward + SGD step; ms/step is the mean of 20 steps "
                       "after 5 warm-up steps; `first call s` includes compilation; graph breaks as counted by "
                       "`torch._dynamo.explain` (blank for eager):", "",
-                      markdown_table(COLUMNS, [[r.get(k) if r.get(k) is not None else "" for k in COLUMNS]
-                                               for r in data["rows"]])])
+                      markdown_table(cols, [[r.get(k) if r.get(k) is not None else "" for k in cols]
+                                            for r in data["rows"]])])
 
 
 def plot_compile(data):
@@ -147,7 +157,7 @@ def main():
         print(f"plot: {plot_matmul_relu(data)}")
     data = load("matmul_relu_bench_cuda")
     if data:
-        update_readme_section("matmul_relu_cuda", cuda_section(data))
+        update_readme_section("matmul_relu_cuda", cuda_section(data, load("cuda_tiles_sweep")))
     data = load("compile_speedup_cuda")
     if data:
         update_readme_section("compile_speedup", compile_section(data))

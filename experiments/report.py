@@ -49,7 +49,7 @@ def forward_backward_table(data):
             markdown_table(cols, [[r[c] for c in cols] for r in fb])] if fb else []
 
 
-def cuda_section(data, sweep):
+def cuda_section(data, sweep=None):
     from bench_matmul_relu import CUDA_COLUMNS
     from sweep_cuda_tiles import COLUMNS as SWEEP_COLUMNS
 

@@ -49,6 +49,9 @@ def test_report_renders_every_committed_result():
         assert data is not None, f"results/{name}.json is missing"
         text = render(data)
         assert data["environment"]["git_commit"] in text and "|---|" in text
+    sweep = report.load("cuda_tiles_sweep")  # rendered inside the CUDA section
+    assert sweep is not None
+    assert sweep["environment"]["git_commit"] in report.cuda_section(report.load("matmul_relu_bench_cuda"), sweep)
 
 
 @pytest.mark.slow

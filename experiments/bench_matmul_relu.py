@@ -81,7 +81,7 @@ def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
         "torch relu(mm)": lambda: torch.relu(a @ b),
         "cuBLASLt addmm+relu": lambda: torch._addmm_activation(bias, a, b),
     }
-    if cuda:  # the CUDA C++ reference (issue 3): tiled WMMA kernel, and the tutorial's naive one in fp32
+    if cuda:  # the CUDA C++ reference (issue 3): tiled tensor-core kernel, and the tutorial's naive one in fp32
         providers["CUDA C++ tiled+bias"] = lambda: matmul_relu(a, b, bias, backend="cuda")
         if dtype == torch.float32:
             providers["CUDA C++ SIMT+bias (exact fp32)"] = lambda: exact_fp32(matmul_relu, a, b, bias, backend="cuda")

@@ -406,7 +406,7 @@ def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
         _gemm(a2.t(), g, grad_b)
     else:
         grad_b.copy_(a2.t() @ g)
-    grad_bias.copy_(g.sum(0, dtype=torch.float32))
+    torch.sum(g, 0, out=grad_bias)  # fp32 accumulation, one rounding, one kernel
     return grad_b, grad_bias
 
 

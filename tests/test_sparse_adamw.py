@@ -130,12 +130,16 @@ def test_bad_sparse_gradients():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_triton_kernel_matches_pytorch_path(device, dtype):
+@pytest.mark.parametrize("layout", ["contiguous", "strided int32 ids, transposed values"])
+def test_triton_kernel_matches_pytorch_path(device, dtype, layout):
     from fuselab.kernels.sparse_adamw import sparse_adamw_torch, sparse_adamw_triton
 
     rows, dim = 37, 70  # dim not a power of two; many duplicate rows among 53 lookups
     idx = torch.randint(0, rows, (53,), device=device)
     vals = torch.randn(53, dim, device=device, dtype=dtype)
+    if layout != "contiguous":  # what a direct caller of the functional update may pass
+        idx = torch.stack([idx, idx]).t().reshape(-1).to(torch.int32)[::2]
+        vals = vals.t().contiguous().t()
     state = [torch.randn(rows, dim, device=device, dtype=dtype), torch.randn(rows, dim, device=device, dtype=dtype) * 0.1,
              torch.rand(rows, dim, device=device, dtype=dtype)]
     ref = [t.clone() for t in state]

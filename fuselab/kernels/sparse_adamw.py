@@ -93,6 +93,12 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
     nnz, dim = values.shape
     if nnz >= 2**31:
         raise ValueError(f"at most 2**31 - 1 lookups a step, got {nnz}")
+    if any(t.stride(1) != 1 for t in (param, exp_avg, exp_avg_sq)) and dim > 1:
+        raise ValueError("the fused update needs parameter and state rows with unit column stride")
+    # The kernels read ids and gradient rows with unit strides; index_fill_ wants int64 ids.
+    indices = indices.to(torch.int64).contiguous()
+    if dim > 1 and values.stride(1) != 1:
+        values = values.contiguous()
     heads = torch.empty(param.shape[0], dtype=torch.int32, device=param.device)
     heads.index_fill_(0, indices, -1)  # only touched rows are ever read
     nxt = torch.empty(nnz, dtype=torch.int32, device=param.device)

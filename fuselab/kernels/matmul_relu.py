@@ -277,7 +277,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
     N = b.shape[1]
     if M == 0 or N == 0:  # nothing to multiply; a row sum over an empty C may still be due
         if rowsum is not None:
-            rowsum.copy_((a if mask is None else _relu_grad(a, mask)).sum(1, dtype=torch.float32))
+            rowsum.copy_(_relu_grad(a, mask).sum(1, dtype=torch.float32))
         return
     if bias is None and mask is None and rowsum is None and c.stride(0) == 1 and c.stride(1) != 1:
         # A column-major C (e.g. the gradient of weight.t()) is computed as C^T = B^T A^T, row-major:
@@ -352,8 +352,8 @@ def _mask_on_load(grad: torch.Tensor) -> bool:
     """Whether the backward GEMMs apply the ReLU mask while loading dY, or G is written once first.
 
     Masking on load saves a pass over dY but needs the pointer body. Where the TMA body runs
-    (Hopper), writing G once and running both products through it is faster: on the H200,
-    fwd+bwd at 8192x8192x1024 bf16 ran at 0.59x the rate of PyTorch autograd with the mask on load."""
+    (Hopper), writing G once and running both products through it is faster: on the H200, fwd+bwd
+    at 4096^3 bf16 went from 0.49x to 1.01x the rate of PyTorch autograd."""
     return not has_tma(grad.device)
 
 
@@ -406,7 +406,7 @@ def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
         _gemm(a2.t(), g, grad_b)
     else:
         grad_b.copy_(a2.t() @ g)
-    torch.sum(g, 0, out=grad_bias)  # fp32 accumulation, one rounding, one kernel
+    grad_bias.copy_(g.sum(0, dtype=torch.float32))
     return grad_b, grad_bias
 
 

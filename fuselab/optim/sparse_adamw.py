@@ -118,6 +118,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 if group["fused"]:
                     steps = [self._step_on_device(p) for p in params]
                 adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if group["amsgrad"] else [], steps,
-                      foreach=group["foreach"], fused=group["fused"], amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
-                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+                      foreach=group["foreach"], fused=group["fused"], amsgrad=group["amsgrad"], beta1=beta1,
+                      beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                      maximize=group["maximize"])
         return loss

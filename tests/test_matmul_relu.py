@@ -203,6 +203,22 @@ def test_eager_fast_path_equals_the_op(device):
         assert torch.equal(fast, op)
 
 
+@pytest.mark.gpu
+def test_repeated_calls_relaunch_the_first_calls_kernel(monkeypatch):
+    # From the second eager call of a layout on, _gemm relaunches a plan (launch_planned): on new
+    # data, on a view whose 16-byte alignment differs (its own plan), forward and both products.
+    runtime = importlib.import_module("fuselab.kernels._runtime")
+    relaunched = []
+    call = runtime._LaunchPlan.__call__
+    monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))
+    M, K, N = 97, 72, 88
+    for offset in (0, 0, 0, 1, 1):  # offset 1: the rows start 2 bytes off a 16-byte boundary
+        a = torch.randn(M * K + offset, dtype=torch.bfloat16, device="cuda")[offset:].view(M, K)
+        b = randn(K, N, dtype=torch.bfloat16, device="cuda", layout="transposed")
+        check_forward_backward(a, b, torch.randn(N, dtype=torch.bfloat16, device="cuda"), torch.bfloat16)
+    assert len(relaunched) >= 2 * 3 + 3  # rounds 2, 3 and 5: forward, dA, dB each
+
+
 def test_traced_calls_use_the_op():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -5,10 +5,11 @@ On CUDA an op is a ``torch.library.triton_op`` whose body launches kernels throu
 tests) ``wrap_triton`` cannot be traced, so the same body is registered as a plain
 ``torch.library.custom_op`` with an explicit fake, and the kernels run in the interpreter.
 """
+import contextlib
 import functools
 import os
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -58,10 +59,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
 
 
-def launch(kernel, grid, *args, **kwargs) -> None:
+def _scratch_allocator(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Global scratch for kernels that build TMA descriptors on the device (a few hundred bytes)."""
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, **kwargs) -> None:
     """Launch a (possibly autotuned) Triton kernel; while ``is_tracing()``, through ``wrap_triton``
     so that the graph records it.
-    In eager mode the kernel is called directly, as ``triton_op`` itself does.
+    In eager mode the kernel is called directly, as ``triton_op`` itself does, and with a
+    ``plan_key`` the launch is remembered for ``launch_planned`` (see there).
 
     Triton launches on the current CUDA device, so the launch runs under the device of the first
     tensor argument (tensors on cuda:1 while cuda:0 is current must not be read from cuda:0).
@@ -69,16 +76,80 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if INTERPRET:
         kernel[grid](*args, **kwargs)
         return
-    if is_tracing():
+    tracing = is_tracing()
+    if tracing:
         from torch.library import wrap_triton  # being traced: record the launch in the graph
 
         kernel = wrap_triton(kernel)
+    import triton
+
+    triton.set_allocator(_scratch_allocator)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    if device.index is None or device.index == torch.cuda.current_device():
-        kernel[grid](*args, **kwargs)
-    else:
-        with torch.cuda.device(device):
-            kernel[grid](*args, **kwargs)
+    with _on_device(device.index):
+        compiled = kernel[grid](*args, **kwargs)
+    if plan_key is not None and not tracing and compiled is not None:
+        if len(_PLANS) >= _MAX_PLANS:  # dynamic shapes: keep the cache bounded
+            _PLANS.clear()
+        _PLANS[plan_key] = _LaunchPlan(kernel, compiled, grid, args, kwargs, device.index)
+
+
+def launch_planned(plan_key: Hashable, *tensors: torch.Tensor) -> bool:
+    """Relaunch the kernel that ``launch(..., plan_key=plan_key)`` ran, on new tensors; False
+    (nothing launched) if there is no such launch yet. Eager only: call it when not ``is_tracing()``.
+
+    Eager training calls the same GEMMs over and over, and Triton's per-call work (binding and
+    specializing ~30 arguments, the autotuner's key) plus ours cost ~55 us of host time a launch,
+    more than a mid-sized GEMM takes on an H200. A plan keeps the compiled kernel, its grid and
+    every non-tensor argument. The caller's contract: ``plan_key`` determines every non-tensor
+    argument and each tensor argument's dtype, shape, strides and 16-byte alignment (what Triton
+    specializes on); ``tensors`` are the launch's tensor arguments in order, Nones left out.
+    """
+    plan = _PLANS.get(plan_key)
+    if plan is None:
+        return False
+    plan(tensors)
+    return True
+
+
+_PLANS: Dict[Hashable, "_LaunchPlan"] = {}
+_MAX_PLANS = 4096
+
+
+class _LaunchPlan:
+    """One compiled kernel with its grid and arguments fixed but for the tensors (``launch_planned``)."""
+
+    def __init__(self, kernel, compiled, grid, args, kwargs, device: Optional[int]):
+        fn = getattr(kernel, "fn", kernel)  # an Autotuner wraps the JITFunction
+        config = getattr(kernel, "best_config", None)
+        bound = dict(zip(fn.arg_names, args), **kwargs, **(config.all_kwargs() if config else {}))
+        self.values = [bound[name] for name in fn.arg_names]  # the order Triton's launcher takes
+        self.slots = [i for i, v in enumerate(self.values) if isinstance(v, torch.Tensor)]
+        grid = tuple(grid(bound) if callable(grid) else grid)
+        self.grid = grid + (1,) * (3 - len(grid))
+        for i in self.slots:  # hold no tensor of the first call
+            self.values[i] = None
+        self.compiled, self.device = compiled, device
+
+    def __call__(self, tensors) -> None:
+        import triton
+        from triton.runtime import driver
+
+        values = list(self.values)
+        for i, t in zip(self.slots, tensors):
+            values[i] = t
+        with _on_device(self.device):
+            triton.set_allocator(_scratch_allocator)  # per thread: the backward runs on autograd's
+            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            k, grid, hooks = self.compiled, self.grid, triton.knobs.runtime
+            k.run(*grid, stream, k.function, k.packed_metadata, k.launch_metadata(grid, stream, *values),
+                  hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+
+
+def _on_device(index: Optional[int]):
+    """``torch.cuda.device(index)`` where it differs from the current device, else nothing."""
+    if index is None or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def device_name(device: Optional[torch.device] = None) -> str:

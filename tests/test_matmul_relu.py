@@ -219,6 +219,38 @@ def test_repeated_calls_relaunch_the_first_calls_kernel(monkeypatch):
     assert len(relaunched) >= 2 * 3 + 3  # rounds 2, 3 and 5: forward, dA, dB each
 
 
+def test_launch_plan_fixes_all_but_the_tensors():
+    # What launch_planned relaunches: Triton's argument order (positional, keywords, the tuned
+    # config), the grid evaluated once, and no reference to the first call's tensors.
+    import types
+    import weakref
+
+    runtime = importlib.import_module("fuselab.kernels._runtime")
+    fn = types.SimpleNamespace(arg_names=["x_ptr", "y_ptr", "n", "FLAG", "BLOCK"])
+    kernel = types.SimpleNamespace(fn=fn, best_config=triton.Config({"BLOCK": 64}, num_warps=4))
+    x, y = torch.randn(100), torch.randn(100)
+    plan = runtime._LaunchPlan(kernel, object(), lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),),
+                               (x, y, 100), {"FLAG": True}, None)
+    assert plan.values == [None, None, 100, True, 64] and plan.slots == [0, 1]
+    assert plan.grid == (2, 1, 1)
+    x_ref = weakref.ref(x)
+    del x
+    assert x_ref() is None
+
+
+def test_plan_key_separates_what_triton_specializes_on():
+    a = torch.randn(40, 33)
+    b, bias = torch.randn(33, 24), torch.randn(24)
+    c = torch.empty(40, 24)
+    key = matmul_relu_module._plan_key
+    same = key(a, b, c, bias, None, None, True)
+    assert key(torch.randn(40, 33), b, c, bias, None, None, True) == same  # new data, same layout
+    assert key(torch.randn(40 * 33 + 1)[1:].view(40, 33), b, c, bias, None, None, True) != same  # 4 bytes off
+    assert key(a, b.t().contiguous().t(), c, bias, None, None, True) != same  # column-major b
+    assert key(a, b, c, None, None, None, True) != same
+    assert key(a, b, c, bias, None, None, False) != same
+
+
 def test_traced_calls_use_the_op():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

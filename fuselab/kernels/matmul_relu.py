@@ -250,7 +250,7 @@ def _needs_int64(*tensors: Optional[torch.Tensor]) -> bool:
 def _tma_row_major(t: torch.Tensor) -> Optional[bool]:
     """True/False if ``t`` (2-D) is row-/column-major with 16-byte aligned rows and base, else None."""
     es = t.element_size()
-    if t.data_ptr() % 16:
+    if t.storage_offset() * es % 16:  # not data_ptr(): this also runs on fake tensors while tracing
         return None
     s0, s1 = t.stride()
     if s1 == 1 and s0 * es % 16 == 0 and s0 >= t.shape[1]:

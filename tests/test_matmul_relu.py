@@ -238,6 +238,23 @@ def test_launch_plan_fixes_all_but_the_tensors():
     assert x_ref() is None
 
 
+def test_tma_layout_check_runs_on_fake_tensors():
+    # _gemm decides the TMA body while torch.compile/export trace it with fake tensors, which have
+    # no data pointer: the check must use strides and storage offsets only. (Reading a fake tensor's
+    # data pointer raises while tracing, and only warns here: the warning is made an error.)
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    check = matmul_relu_module._tma_row_major
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        base = torch.empty(64 * 40 + 8, dtype=torch.bfloat16)
+        assert check(base[:64 * 40].view(64, 40)) is True
+        assert check(base[:64 * 40].view(40, 64).t()) is False
+        assert check(base[1:64 * 40 + 1].view(64, 40)) is None  # 2 bytes off a 16-byte boundary
+
+
 def test_plan_key_separates_what_triton_specializes_on():
     a = torch.randn(40, 33)
     b, bias = torch.randn(33, 24), torch.randn(24)

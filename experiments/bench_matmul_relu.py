@@ -11,6 +11,7 @@ fp32 rows run with ``torch.set_float32_matmul_precision("high")``: tf32 for ever
     python experiments/report.py                            # README tables + plot from the JSON
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,7 +39,8 @@ QUICK = ["8192x8192x8192", "8192x8192x256", "64x4096x4096"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FWD_BWD_SHAPES = ["8192x8192x1024", "4096x4096x4096"]
 CUDA_COLUMNS = ["shape", "dtype", "CUDA C++ naive+bias", "CUDA C++ SIMT+bias (exact fp32)", "CUDA C++ tiled+bias",
-                "fuselab+bias", "cuBLASLt addmm+relu", "torch relu(mm)", "CUDA tiled x naive", "CUDA tiled x cuBLASLt"]
+                "CUDA C++ wgmma+bias", "fuselab+bias", "cuBLASLt addmm+relu", "torch relu(mm)", "CUDA tiled x naive",
+                "CUDA tiled x relu(mm)", "CUDA wgmma x relu(mm)", "CUDA tiled x cuBLASLt"]
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -63,6 +65,21 @@ def exact_fp32(fn, *args, **kwargs):
         torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
+def cuda_kernel_pinned(kernel, fn):
+    """``fn`` with the CUDA reference's fp16/bf16 kernel pinned (FUSELAB_CUDA_KERNEL, read per call)."""
+    def run():
+        before = os.environ.get("FUSELAB_CUDA_KERNEL")
+        os.environ["FUSELAB_CUDA_KERNEL"] = kernel
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["FUSELAB_CUDA_KERNEL"]
+            else:
+                os.environ["FUSELAB_CUDA_KERNEL"] = before
+    return run
+
+
 def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
     import triton
 
@@ -81,8 +98,12 @@ def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
         "torch relu(mm)": lambda: torch.relu(a @ b),
         "cuBLASLt addmm+relu": lambda: torch._addmm_activation(bias, a, b),
     }
-    if cuda:  # the CUDA C++ reference (issue 3): tiled tensor-core kernel, and the tutorial's naive one in fp32
+    if cuda:  # the CUDA C++ reference (issue 3): its default kernel, Hopper's wgmma kernel pinned (fp16/bf16 on
+        # sm_90), and the tutorial's naive kernel in fp32
         providers["CUDA C++ tiled+bias"] = lambda: matmul_relu(a, b, bias, backend="cuda")
+        if dtype != torch.float32 and torch.cuda.get_device_capability() == (9, 0):
+            providers["CUDA C++ wgmma+bias"] = cuda_kernel_pinned(
+                "wgmma", lambda: matmul_relu(a, b, bias, backend="cuda"))
         if dtype == torch.float32:
             providers["CUDA C++ SIMT+bias (exact fp32)"] = lambda: exact_fp32(matmul_relu, a, b, bias, backend="cuda")
             if M * N * K <= 4096**3:
@@ -103,6 +124,9 @@ def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
         row["x inductor"] = row["fuselab"] / row["inductor max-autotune"]
     if cuda:
         row["CUDA tiled x cuBLASLt"] = row["CUDA C++ tiled+bias"] / row["cuBLASLt addmm+relu"]
+        row["CUDA tiled x relu(mm)"] = row["CUDA C++ tiled+bias"] / row["torch relu(mm)"]
+        if "CUDA C++ wgmma+bias" in row:
+            row["CUDA wgmma x relu(mm)"] = row["CUDA C++ wgmma+bias"] / row["torch relu(mm)"]
         if "CUDA C++ naive+bias" in row:
             row["CUDA tiled x naive"] = row["CUDA C++ tiled+bias"] / row["CUDA C++ naive+bias"]
     return row

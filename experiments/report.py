@@ -53,8 +53,11 @@ def cuda_section(data, sweep=None):
     from bench_matmul_relu import CUDA_COLUMNS
     from sweep_cuda_tiles import COLUMNS as SWEEP_COLUMNS
 
+    tiled = ("`CUDA C++ tiled` is the default kernel, `wgmma` Hopper's kernel pinned with FUSELAB_CUDA_KERNEL"
+             if any("CUDA C++ wgmma+bias" in r for r in data["rows"])
+             else "measured before the wgmma kernel existed: `CUDA C++ tiled` is the mma.sync kernel")
     out = [env_line(data), "", "Forward with bias, TFLOP/s, eager calls, one run with every peer on the same inputs "
-           "(fp32: tf32 for the tiled kernel, Triton and cuBLAS; the SIMT kernel is exact fp32, the naive "
+           f"({tiled}; fp32: tf32 for the tiled kernel, Triton and cuBLAS; the SIMT kernel is exact fp32, the naive "
            "kernel is the tutorial's):", "",
            markdown_table(CUDA_COLUMNS, [[r.get(c, "") for c in CUDA_COLUMNS] for r in data["rows"]])]
     out += forward_backward_table(data)

@@ -1,14 +1,16 @@
 """Sweep the CUDA C++ reference's build-time tile shape: build every variant, then time each.
 
-The tile belongs to the fp16/bf16 mma.sync kernel (tf32 keeps its fixed WMMA tile). Variants build
-in parallel (one nvcc each), then each is loaded and timed in its own process (every variant
-registers the same op names). Forward with bias at 4096^3 in bf16, B row-major and B = weight.t(),
-against cuBLAS ``relu(a @ b)`` in the same process.
+The tile belongs to the fp16/bf16 mma.sync kernel (pinned with FUSELAB_CUDA_KERNEL=mma; tf32 keeps
+its fixed WMMA tile, Hopper's wgmma kernel its own). Variants build in parallel (one nvcc each),
+then each is loaded and timed in its own process (every variant registers the same op names).
+Forward with bias at 4096^3 in bf16, B row-major and B = weight.t(), against cuBLAS ``relu(a @ b)``
+in the same process.
 
     python experiments/sweep_cuda_tiles.py            # GPU machine with nvcc; ~3 min on an H200
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +62,7 @@ def main():
         build_extension(dict(zip(KEYS, map(int, args.build.split(",")))))
         return
     if args.one:
+        os.environ["FUSELAB_CUDA_KERNEL"] = "mma"  # the swept kernel, not Hopper's wgmma one
         print(json.dumps(time_variant([int(v) for v in args.one.split(",")])))
         return
     if not torch.cuda.is_available():

@@ -94,3 +94,40 @@ def test_empty_and_k0(extension):
     torch.testing.assert_close(k0, torch.relu(bias).expand(4, 5), rtol=0, atol=0)
     empty = matmul_relu(torch.randn(2, 0, 6, device="cuda"), torch.randn(6, 5, device="cuda"), backend="cuda")
     assert empty.shape == (2, 0, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("b_layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("M,K,N", [(300, 200, 520), (77, 1032, 40), (1031, 72, 264)])
+def test_wgmma_kernel(extension, monkeypatch, dtype, b_layout, M, K, N):
+    """The Hopper kernel pinned (an error, not a fallback, if it cannot run): ragged tiles in M, N
+    and K (TMA's zero fill), both B layouts, with and without bias; the mma.sync kernel agrees."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+    a = randn(M, K, dtype=dtype, device="cuda")
+    b = randn(K, N, dtype=dtype, device="cuda", layout=b_layout)
+    bias = torch.randn(N, dtype=dtype, device="cuda")
+    a64, b64 = a.double(), b.double()
+    bound = dot_bound(dtype, K, a64.abs(), b64.abs())
+    outs = {}
+    for kernel in ("wgmma", "mma"):
+        monkeypatch.setenv("FUSELAB_CUDA_KERNEL", kernel)
+        y = torch.ops.fuselab.matmul_relu_cuda(a, b, bias)
+        assert_close(y, torch.relu(a64 @ b64 + bias.double()), bound + 2.0**-24 * bias.double().abs(), kernel)
+        y0 = torch.ops.fuselab.matmul_relu_cuda(a, b, None)
+        assert_close(y0, torch.relu(a64 @ b64), bound, f"{kernel} without bias")
+        outs[kernel] = y.double()
+    assert_close(outs["wgmma"].to(dtype), outs["mma"], 2 * bound + 2.0**-23 * bias.double().abs(), "wgmma vs mma")
+
+
+@pytest.mark.gpu
+def test_wgmma_pin_explains_itself(extension, monkeypatch):
+    a = torch.randn(64, 259, dtype=torch.bfloat16, device="cuda")  # 518-byte rows: no TMA
+    b = torch.randn(259, 64, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setenv("FUSELAB_CUDA_KERNEL", "wgmma")
+    with pytest.raises(RuntimeError, match="FUSELAB_CUDA_KERNEL=wgmma, but"):
+        torch.ops.fuselab.matmul_relu_cuda(a, b, None)
+    monkeypatch.setenv("FUSELAB_CUDA_KERNEL", "fastest")
+    with pytest.raises(RuntimeError, match="must be mma, auto or wgmma"):
+        torch.ops.fuselab.matmul_relu_cuda(a, b, None)

@@ -20,12 +20,15 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "matmul_relu.cu"
 
 
 def _arch_flags():
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        return []  # torch.utils.cpp_extension reads it
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
-    return ["-gencode=arch=compute_90,code=sm_90"]  # no GPU here: build for Hopper
+    # Hopper builds for sm_90a, the arch-specific target that has wgmma and TMA (the fp16/bf16
+    # kernel of choice there); FUSELAB_WGMMA tells the host code that the build has it.
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch_list:  # torch.utils.cpp_extension reads it
+        return ["-DFUSELAB_WGMMA"] if "9.0a" in arch_list else []
+    major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)  # no GPU: Hopper
+    if (major, minor) == (9, 0):
+        return ["-gencode=arch=compute_90a,code=sm_90a", "-DFUSELAB_WGMMA"]
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
 def _cuda_home():

@@ -1,26 +1,36 @@
 // Reference CUDA C++ variant of fuselab's fused matmul + bias + ReLU: Y = relu(A @ B + bias).
 //
 // Kernels behind the two ops registered from C++ as torch.ops.fuselab.*:
-//   matmul_relu_cuda        fp16/bf16: mma.sync.m16n8k16 on tensor cores (fp32 accumulators), fragments
-//                           loaded from shared memory with ldmatrix, A and B tiles staged through a
-//                           STAGES-deep cp.async ring, bias + ReLU applied to the accumulators and the
-//                           output tile written back through shared memory in 16-byte rows;
+//   matmul_relu_cuda        fp16/bf16 on Hopper (sm_90a build, sm_90 GPU, TMA-compatible layouts; opt-in):
+//                           wgmma fed by TMA, one producer and two consumer warp groups, 128 x 256
+//                           tiles, a four-stage mbarrier ring, bias + ReLU on the accumulators;
+//                           fp16/bf16 elsewhere: mma.sync.m16n8k16 on tensor cores (fp32 accumulators),
+//                           fragments loaded from shared memory with ldmatrix, A and B tiles staged
+//                           through a STAGES-deep cp.async ring, bias + ReLU applied to the accumulators
+//                           and the output tile written back through shared memory in 16-byte rows;
 //                           fp32: WMMA on tf32 fragments with the same ring when torch allows tf32
 //                           (torch.backends.cuda.matmul.allow_tf32), otherwise a register-tiled SIMT
-//                           kernel (exact fp32).
+//                           kernel (exact fp32). FUSELAB_CUDA_KERNEL=mma|auto|wgmma picks the fp16/bf16
+//                           kernel (default mma: the wgmma kernel has not yet run on a GPU).
 //   matmul_relu_cuda_naive  the tutorial's kernel (one thread per output, fp32 only), kept for
 //                           the benchmark.
 // Layouts: A must have a unit stride along K (any other A is copied once: .contiguous()); B may
 // be row-major (N contiguous) or column-major (K contiguous, i.e. weight.t()), anything else is
-// copied. Rows that are not 16-byte aligned, and tile edges, use guarded scalar loads and stores.
+// copied. Rows that are not 16-byte aligned, and tile edges, use guarded scalar loads and stores
+// (mma.sync), or send fp16/bf16 to mma.sync instead of wgmma (whose TMA reads need aligned rows).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>  // CUtensorMap; the one driver function used is fetched at run time (no -lcuda)
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cstdlib>
+#include <cstring>
 #include <mma.h>
 #include <torch/library.h>
+#include <type_traits>
 
 namespace fuselab {
 namespace {
@@ -305,6 +315,218 @@ __global__ void __launch_bounds__(Cfg::THREADS) mma_kernel(const T* __restrict__
 }
 
 // ------------------------------------------------------------------------------------------------
+// fp16/bf16 on Hopper (sm_90a): wgmma fed by TMA, warp-specialized
+// ------------------------------------------------------------------------------------------------
+// A block computes a 128 x 256 output tile with three warp groups: one thread of the first issues
+// the TMA copies of A (128 x 64) and B (64 x 256) into a four-stage ring of 128-byte-swizzled
+// shared memory, the other two each run m64n256k16 wgmmas on 64 rows of the tile. Full/empty
+// mbarriers hand the ring slots back and forth; a consumer keeps one k-tile of wgmmas in flight and
+// frees a slot once the wgmmas that read it have retired. TMA zero-fills reads past M, N and K, so
+// tile edges need no guards until the epilogue, which adds the bias, applies ReLU and stores the
+// accumulators straight from registers. wgmma and TMA are arch-specific (sm_90a): the device code
+// exists only in an sm_90a build, which also defines FUSELAB_WGMMA for the host side.
+
+struct WgTile {
+  static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2;
+  static constexpr int THREADS = 128 * (CONSUMERS + 1);
+  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int ROW_BYTES = BK * 2;  // one swizzle row: 64 fp16/bf16 = 128 bytes
+  // the ring, 2 * STAGES mbarriers, and slack to align the ring to the 1024-byte swizzle period
+  static constexpr size_t SMEM = STAGES * STAGE_BYTES + 2 * STAGES * sizeof(uint64_t) + 1024;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {  // arrive + expect bytes
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // until that phase completes
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(smem_u32(bar)), "r"(parity)
+                 : "memory");
+}
+// box (c0 along the contiguous dimension, c1 along the other) of `map` -> dst; completes on `bar`
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (rows of 64 K-elements): the
+// stride byte offset is the distance between 8-row groups, 1024; the leading offset is unused.
+// N-major B (rows of 64 N-elements, one row per k): leading offset = distance between 64-column
+// chunks, stride offset = distance between 8-row (k) groups.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, unsigned lead_bytes, unsigned stride_bytes) {
+  return static_cast<uint64_t>((smem_u32(p) & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lead_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Pins the accumulators around the asynchronous wgmmas: no read or write of them may be moved
+// across a fence, commit or wait.
+__device__ __forceinline__ void pin(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define FUSELAB_WGMMA_M64N256K16(TYPE)                                                                                  \
+  asm volatile(                                                                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                     \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {"                                                 \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                  \
+      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"                                                                           \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+      : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_B))
+
+template <typename T, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (std::is_same_v<T, __half>)
+    FUSELAB_WGMMA_M64N256K16("f16");
+  else
+    FUSELAB_WGMMA_M64N256K16("bf16");
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+template <typename T, bool B_COL_MAJOR>
+__global__ void __launch_bounds__(WgTile::THREADS, 1)
+    wgmma_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                 const T* __restrict__ bias, T* __restrict__ C, int M, int N, int K) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using W = WgTile;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* ring = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(ring + W::STAGES * W::STAGE_BYTES);
+  uint64_t* empty = full + W::STAGES;
+  int m0, n0;
+  tile_origin<W>(M, N, m0, n0);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < W::STAGES; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], W::CONSUMERS);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+  }
+  __syncthreads();
+  const int k_tiles = (K + W::BK - 1) / W::BK, group = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+  if (group == 0) {  // producer: one thread issues every copy
+    if (tid == 0) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % W::STAGES;
+        mbar_wait(&empty[s], ((kt / W::STAGES) & 1) ^ 1);  // the first pass finds every slot free
+        unsigned char* a_s = ring + s * W::STAGE_BYTES;
+        unsigned char* b_s = a_s + W::A_BYTES;
+        // Whole boxes count, their zero-filled parts included. Every box starts inside the matrix:
+        // a row-major B skips the 64-column boxes that lie wholly past N (the columns they would
+        // feed are never stored).
+        const int b_boxes = B_COL_MAJOR ? 1 : min(W::BN / 64, (N - n0 + 63) / 64);
+        mbar_expect_tx(&full[s], W::A_BYTES + b_boxes * (W::B_BYTES / (B_COL_MAJOR ? 1 : W::BN / 64)));
+        tma_load_2d(a_s, &a_map, &full[s], kt * W::BK, m0);
+        if constexpr (B_COL_MAJOR) {  // B^T (N x K, K contiguous): one 256 x 64 box
+          tma_load_2d(b_s, &b_map, &full[s], kt * W::BK, n0);
+        } else {  // B (K x N, N contiguous): 64 x 64 boxes of 64 columns
+          for (int j = 0; j < b_boxes; ++j)
+            tma_load_2d(b_s + j * W::BK * W::ROW_BYTES, &b_map, &full[s], n0 + 64 * j, kt * W::BK);
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: warp group c owns rows 64c .. 64c + 63 of the tile
+  const int c = group - 1;
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % W::STAGES;
+    mbar_wait(&full[s], (kt / W::STAGES) & 1);
+    __syncwarp();  // wgmma is .aligned: the warp must be converged after its lanes' separate waits
+    const unsigned char* a_s = ring + s * W::STAGE_BYTES + c * 64 * W::ROW_BYTES;
+    const unsigned char* b_s = ring + s * W::STAGE_BYTES + W::A_BYTES;
+    pin(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < W::BK / 16; ++kk) {  // k-steps of 16: 32 bytes along a K-major row
+      const uint64_t da = smem_desc(a_s + kk * 32, 16, 1024);
+      const uint64_t db = B_COL_MAJOR ? smem_desc(b_s + kk * 32, 16, 1024)
+                                      : smem_desc(b_s + kk * 16 * W::ROW_BYTES, W::BK * W::ROW_BYTES, 1024);
+      wgmma_m64n256k16<T, B_COL_MAJOR ? 0 : 1>(acc, da, db);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous k-tile's wgmmas have retired: its slot can be refilled
+    pin(acc);
+    if (kt > 0 && tid == 0) mbar_arrive(&empty[(kt - 1) % W::STAGES]);
+  }
+  wgmma_wait<0>();
+  pin(acc);
+
+  // Epilogue. Accumulator layout (per warp, as mma.sync's m16n8 C fragment repeated along N): lane
+  // holds rows g and g + 8 (g = lane / 4) of its warp's 16 rows, columns 8j + 2t, 8j + 2t + 1
+  // (t = lane % 4) in acc[4j .. 4j + 3].
+  const int warp = tid / 32, lane = tid % 32;
+  const int row = m0 + c * 64 + warp * 16 + lane / 4;
+  const bool pairs = N % 2 == 0;  // two outputs per 4-byte store keep the alignment
+#pragma unroll
+  for (int j = 0; j < W::BN / 8; ++j) {
+    const int col = n0 + 8 * j + 2 * (lane % 4);
+    if (col >= N) continue;
+    const bool two = col + 1 < N;
+    const float b0 = bias ? to_float(bias[col]) : 0.f, b1 = (bias && two) ? to_float(bias[col + 1]) : 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row + 8 * h;
+      if (r >= M) continue;
+      const float y0 = relu_keep_nan(acc[4 * j + 2 * h] + b0), y1 = relu_keep_nan(acc[4 * j + 2 * h + 1] + b1);
+      T* dst = C + static_cast<int64_t>(r) * N + col;
+      if (pairs && two) {
+        *reinterpret_cast<unsigned*>(dst) = pack2<T>(y0, y1);
+      } else {
+        dst[0] = from_float<T>(y0);
+        if (two) dst[1] = from_float<T>(y1);
+      }
+    }
+  }
+#else
+  __trap();  // not an sm_90a build: the host never launches this
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
 // fp32 on tensor cores (tf32): WMMA fragments
 // ------------------------------------------------------------------------------------------------
 
@@ -496,6 +718,96 @@ void launch_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Which fp16/bf16 kernel runs: FUSELAB_CUDA_KERNEL=mma (the default until the wgmma kernel has
+// passed its GPU tests), auto (wgmma where it can run, else mma.sync), or wgmma (an error where it
+// cannot run: tests and benchmarks pin a kernel this way).
+enum class HalfKernel { Auto, Mma, Wgmma };
+HalfKernel requested_kernel() {
+  const char* v = std::getenv("FUSELAB_CUDA_KERNEL");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "mma") == 0) return HalfKernel::Mma;
+  if (std::strcmp(v, "auto") == 0) return HalfKernel::Auto;
+  TORCH_CHECK(std::strcmp(v, "wgmma") == 0, "FUSELAB_CUDA_KERNEL must be mma, auto or wgmma, got '", v, "'");
+  return HalfKernel::Wgmma;
+}
+
+// Why the wgmma kernel cannot run on these operands (nullptr: it can). TMA reads rows whose start
+// and stride are 16-byte aligned, with unit stride along the row.
+const char* wgmma_unsupported(const at::Tensor& a, const at::Tensor& b, bool b_col) {
+#if defined(FUSELAB_WGMMA)
+  int device = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return "it needs an sm_90 GPU (Hopper)";
+  const int64_t K = a.size(1), N = b.size(1);
+  if (a.stride(1) != 1 || !aligned16(a, a.stride(0)) || a.stride(0) < K) return "A's rows are not 16-byte aligned";
+  const int64_t ldb = b_col ? b.stride(1) : b.stride(0);
+  if (b.stride(b_col ? 0 : 1) != 1 || !aligned16(b, ldb) || ldb < (b_col ? K : N))
+    return "B's rows are not 16-byte aligned";
+  return nullptr;
+#else
+  return "the extension was not built for sm_90a";
+#endif
+}
+
+#if defined(FUSELAB_WGMMA)
+PFN_cuTensorMapEncodeTiled_v12000 encode_tensor_map() {
+  static const auto fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && p != nullptr,
+                "matmul_relu_cuda: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// TMA map of a row-major (rows x cols) view with row stride ld elements, read in boxes of
+// box_rows x 64 elements (one 128-byte swizzle row each); reads outside the matrix return zeros.
+CUtensorMap tensor_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * t.element_size())};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)}, unit[2] = {1, 1};
+  const auto dtype = t.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode_tensor_map()(&map, dtype, 2, t.data_ptr(), dims, strides, box, unit,
+                                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "matmul_relu_cuda: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r),
+              ") for a ", rows, " x ", cols, " view with row stride ", ld);
+  return map;
+}
+
+template <typename T, typename ScalarT>
+void launch_wgmma(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, at::Tensor& out, bool b_col) {
+  using W = WgTile;
+  const int M = a.size(0), K = a.size(1), N = b.size(1);
+  const CUtensorMap a_map = tensor_map(a, M, K, a.stride(0), W::BM);
+  const CUtensorMap b_map = b_col ? tensor_map(b, N, K, b.stride(1), W::BN) : tensor_map(b, K, N, b.stride(0), W::BK);
+  const int64_t blocks = ((M + W::BM - 1) / W::BM) * static_cast<int64_t>((N + W::BN - 1) / W::BN);
+  TORCH_CHECK(blocks <= INT32_MAX, "matmul_relu_cuda: output too large (", M, " x ", N, ")");
+  auto kernel = b_col ? wgmma_kernel<T, true> : wgmma_kernel<T, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, W::SMEM));
+  kernel<<<blocks, W::THREADS, W::SMEM, c10::cuda::getCurrentCUDAStream()>>>(
+      a_map, b_map, bias ? reinterpret_cast<const T*>(bias->data_ptr<ScalarT>()) : nullptr,
+      reinterpret_cast<T*>(out.data_ptr<ScalarT>()), M, N, K);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif
+
+// fp16/bf16: the wgmma kernel where it is asked for and can run, else mma.sync.
+template <typename T, typename ScalarT>
+void launch_half(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, at::Tensor& out, bool b_col) {
+  const HalfKernel want = requested_kernel();
+  const char* why_not = want == HalfKernel::Mma ? "mma.sync was asked for" : wgmma_unsupported(a, b, b_col);
+#if defined(FUSELAB_WGMMA)
+  if (why_not == nullptr) return launch_wgmma<T, ScalarT>(a, b, bias, out, b_col);
+#endif
+  TORCH_CHECK(want != HalfKernel::Wgmma, "matmul_relu_cuda: FUSELAB_CUDA_KERNEL=wgmma, but ", why_not);
+  launch_tiled<T, ScalarT, MmaTile, true>(a, b, bias, out, b_col);
+}
+
 // (..., K) -> (rows, K); also when K or a leading size is 0 (reshape(-1, 0) is ambiguous).
 at::Tensor as_rows(const at::Tensor& a, int64_t k) {
   int64_t rows = 1;
@@ -528,8 +840,8 @@ at::Tensor matmul_relu_cuda(const at::Tensor& a_in, const at::Tensor& b_in, cons
   const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
   const at::Tensor* biasp = bias ? &bias_c : nullptr;
   switch (a.scalar_type()) {
-    case at::kHalf: launch_tiled<__half, at::Half, MmaTile, true>(a, b, biasp, out, b_col); break;
-    case at::kBFloat16: launch_tiled<__nv_bfloat16, at::BFloat16, MmaTile, true>(a, b, biasp, out, b_col); break;
+    case at::kHalf: launch_half<__half, at::Half>(a, b, biasp, out, b_col); break;
+    case at::kBFloat16: launch_half<__nv_bfloat16, at::BFloat16>(a, b, biasp, out, b_col); break;
     case at::kFloat:
       if (at::globalContext().allowTF32CuBLAS()) {
         launch_tiled<float, float, Tf32Tile, false>(a, b, biasp, out, b_col);

@@ -7,10 +7,15 @@ throughput, time to the first result (compile time), peak memory, speedup agains
 same model/precision, and the graph breaks Dynamo reports.
 
     python experiments/compile_speedup.py                       # the full study (GPU)
+    python experiments/compile_speedup.py --plan 'resnet50:infer:fp32:eager,default' --merge   # a piece of it
     python experiments/compile_speedup.py --tiny --device cpu --modes eager,default   # smoke test
+
+Every row records the commit it was measured at. ``--merge`` keeps the rows of the existing JSON
+that this run does not measure, so the study can be run in pieces (a GPU machine lent for minutes).
 """
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fuselab.nn import fuse_linear_relu  # noqa: E402
-from fuselab.report import RESULTS, markdown_table, save_json  # noqa: E402
+from fuselab.report import RESULTS, environment, markdown_table, save_json  # noqa: E402
 
 MODES = ["eager", "default", "reduce-overhead", "max-autotune"]
 COLUMNS = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "first call s", "peak MiB",
@@ -126,6 +131,17 @@ def parse_plan(args):
     return grid
 
 
+def merge_rows(path, rows):
+    """The rows saved at ``path`` with this run's configurations replaced or appended."""
+    if not path.exists():
+        return rows
+    saved = json.loads(path.read_text())
+    key = lambda r: (r["model"], r["task"], r["precision"], r["mode"])  # noqa: E731
+    fresh = {key(r): r for r in rows}
+    kept = [fresh.pop(key(r), {"commit": saved["environment"]["git_commit"], **r}) for r in saved["rows"]]
+    return kept + list(fresh.values())
+
+
 def add_speedups(rows):
     eager = {(r["model"], r["task"], r["precision"]): r["ms/step"] for r in rows if r["mode"] == "eager"}
     for r in rows:
@@ -148,19 +164,23 @@ def main(argv=None):
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--merge", action="store_true", help="keep the saved rows of configurations this run skips")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     from tqdm import tqdm
 
     grid, rows, start = parse_plan(args), [], time.perf_counter()
+    path = args.out / f"compile_speedup_{device.type}.json"
+    commit = environment()["git_commit"]
     for model, task, prec, mode in tqdm(grid):
         if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
             print(f"budget of {args.budget_min} min spent: skipped {len(grid) - len(rows)} configurations")
             break
-        rows.append(run_one(model, mode, prec, task == "train", args, device))
+        rows.append({**run_one(model, mode, prec, task == "train", args, device), "commit": commit})
         # Saved after every configuration, so a run cut short keeps what it measured.
-        path = save_json(f"compile_speedup_{device.type}", add_speedups(rows), {"tiny": args.tiny}, out_dir=args.out)
+        save_json(path.stem, add_speedups(merge_rows(path, rows) if args.merge else rows), {"tiny": args.tiny},
+                  out_dir=args.out)
     print(markdown_table(COLUMNS, [[r.get(k) if r.get(k) is not None else "" for k in COLUMNS] for r in rows]))
     print(f"saved {path}")
     return rows

@@ -19,7 +19,9 @@ def load(name):
 
 def env_line(data):
     e = data["environment"]
-    return f"_{e['gpu']}, torch {e['torch']}, triton {e['triton']}, CUDA {e['cuda']}, commit {e['git_commit']}, {e['date']}._"
+    commits = list(dict.fromkeys(r["commit"] for r in data["rows"] if "commit" in r))  # runs merged into one file
+    commit = f"commits {', '.join(commits)} (per row: `commit`)" if len(commits) > 1 else f"commit {e['git_commit']}"
+    return f"_{e['gpu']}, torch {e['torch']}, triton {e['triton']}, CUDA {e['cuda']}, {commit}, {e['date']}._"
 
 
 def geomean(xs):

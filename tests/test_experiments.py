@@ -67,3 +67,24 @@ def test_compile_speedup_smoke(tmp_path):
     assert compiled["speedup vs eager"] > 0
     with pytest.raises(SystemExit, match="unknown modes"):
         compile_speedup.main(["--plan", "opt:train:fp32:turbo"])
+
+
+def test_compile_speedup_merge_runs_in_pieces(tmp_path):
+    # --merge keeps the configurations a run skips and replaces the ones it measures; rows carry commits.
+    import compile_speedup
+
+    def run(plan, *extra):
+        compile_speedup.main(["--tiny", "--device", "cpu", "--plan", plan, "--warmup", "0", "--iters", "1",
+                              "--out", str(tmp_path), *extra])
+        return json.loads((tmp_path / "compile_speedup_cpu.json").read_text())["rows"]
+
+    first = run("opt:infer:fp32:eager")
+    assert [r["model"] for r in first] == ["opt"] and first[0]["commit"]
+    both = run("resnet50:infer:fp32:eager", "--merge")
+    assert [(r["model"], r["ms/step"]) for r in both][0] == ("opt", first[0]["ms/step"])
+    assert [r["model"] for r in both] == ["opt", "resnet50"]
+    again = run("opt:infer:fp32:eager", "--merge")
+    assert [r["model"] for r in again] == ["opt", "resnet50"] and again[1] == both[1]
+    assert again[0]["ms/step"] != first[0]["ms/step"]  # re-measured, not kept
+    alone = run("resnet50:infer:fp32:eager")  # without --merge a run stands alone
+    assert [r["model"] for r in alone] == ["resnet50"]

@@ -349,13 +349,19 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) { 
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {  // until that phase completes
+// Until that phase completes. A phase that never completes (a transaction count that does not match
+// what TMA delivers) traps after ~2^35 cycles (~20 s) instead of hanging the GPU.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
   unsigned done = 0;
-  while (!done)
+  const long long start = clock64();
+  while (true) {
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done)
                  : "r"(smem_u32(bar)), "r"(parity)
                  : "memory");
+    if (done) return;
+    if (clock64() - start > (1ll << 35)) __trap();
+  }
 }
 // box (c0 along the contiguous dimension, c1 along the other) of `map` -> dst; completes on `bar`
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {

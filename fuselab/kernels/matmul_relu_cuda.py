@@ -1,10 +1,11 @@
 """The CUDA C++ reference of the fused matmul-ReLU (``csrc/matmul_relu.cu``), built just in time.
 
-``load_extension()`` compiles the source with ninja for the GPU's own architecture (or
-``TORCH_CUDA_ARCH_LIST``) into ``$FUSELAB_CACHE_DIR/torch_extensions`` on first use and loads it,
-which registers ``torch.ops.fuselab.matmul_relu_cuda`` and ``matmul_relu_cuda_naive`` from C++
-(TORCH_LIBRARY). This module then adds their fake implementations and, for ``matmul_relu_cuda``,
-autograd through the Triton backward kernels. ``python -m fuselab.kernels.build`` builds ahead of time.
+``load_extension()`` compiles the source with ninja for the GPU's own architecture (sm_90a on Hopper
+and without a GPU, which adds the wgmma kernel; or ``TORCH_CUDA_ARCH_LIST``) into
+``$FUSELAB_CACHE_DIR/torch_extensions`` on first use and loads it, which registers
+``torch.ops.fuselab.matmul_relu_cuda`` and ``matmul_relu_cuda_naive`` from C++ (TORCH_LIBRARY). This
+module then adds their fake implementations and, for ``matmul_relu_cuda``, autograd through the
+Triton backward kernels. ``python -m fuselab.kernels.build`` builds ahead of time.
 """
 import functools
 import os

@@ -88,3 +88,17 @@ def test_compile_speedup_merge_runs_in_pieces(tmp_path):
     assert again[0]["ms/step"] != first[0]["ms/step"]  # re-measured, not kept
     alone = run("resnet50:infer:fp32:eager")  # without --merge a run stands alone
     assert [r["model"] for r in alone] == ["resnet50"]
+
+
+def test_compile_speedup_passes_alternate_and_average(tmp_path):
+    import compile_speedup
+
+    rows = compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt,resnet50:infer:fp32:eager",
+                                 "--passes", "3", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
+    assert [r["model"] for r in rows] == ["opt", "resnet50"]
+    for r in rows:
+        passes = r["ms/step passes"]
+        assert len(passes) == 3 and r["ms/step"] == pytest.approx(sum(passes) / 3)
+        unit = "tok/s" if r["model"] == "opt" else "img/s"
+        items = 2 * 32 if r["model"] == "opt" else 2  # the tiny batch
+        assert r[unit] == pytest.approx(items / (r["ms/step"] / 1e3))

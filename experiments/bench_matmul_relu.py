@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -67,17 +68,7 @@ def exact_fp32(fn, *args, **kwargs):
 
 def cuda_kernel_pinned(kernel, fn):
     """``fn`` with the CUDA reference's fp16/bf16 kernel pinned (FUSELAB_CUDA_KERNEL, read per call)."""
-    def run():
-        before = os.environ.get("FUSELAB_CUDA_KERNEL")
-        os.environ["FUSELAB_CUDA_KERNEL"] = kernel
-        try:
-            return fn()
-        finally:
-            if before is None:
-                del os.environ["FUSELAB_CUDA_KERNEL"]
-            else:
-                os.environ["FUSELAB_CUDA_KERNEL"] = before
-    return run
+    return mock.patch.dict(os.environ, {"FUSELAB_CUDA_KERNEL": kernel})(fn)
 
 
 def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):

@@ -133,14 +133,18 @@ def parse_plan(args):
     return grid
 
 
+def config_key(row):
+    """What identifies a configuration of the study (a row measures one)."""
+    return row["model"], row["task"], row["precision"], row["mode"]
+
+
 def merge_rows(path, rows):
     """The rows saved at ``path`` with this run's configurations replaced or appended."""
     if not path.exists():
         return rows
     saved = json.loads(path.read_text())
-    key = lambda r: (r["model"], r["task"], r["precision"], r["mode"])  # noqa: E731
-    fresh = {key(r): r for r in rows}
-    kept = [fresh.pop(key(r), {"commit": saved["environment"]["git_commit"], **r}) for r in saved["rows"]]
+    fresh = {config_key(r): r for r in rows}
+    kept = [fresh.pop(config_key(r), {"commit": saved["environment"]["git_commit"], **r}) for r in saved["rows"]]
     return kept + list(fresh.values())
 
 
@@ -148,7 +152,7 @@ def add_pass(measured, row):
     """Fold one timing of a configuration into ``measured``: ms/step (and throughput) become the mean
     over passes, each pass kept in ``ms/step passes``; first-call time and peak memory stay those of
     the first pass (later ones find the compile caches warm)."""
-    key = (row["model"], row["task"], row["precision"], row["mode"])
+    key = config_key(row)
     if key not in measured:
         measured[key] = {**row, "ms/step passes": [row["ms/step"]]}
         return

@@ -55,7 +55,9 @@ def cuda_section(data, sweep=None):
     from bench_matmul_relu import CUDA_COLUMNS
     from sweep_cuda_tiles import COLUMNS as SWEEP_COLUMNS
 
-    tiled = ("`CUDA C++ tiled` is the default kernel, `wgmma` Hopper's kernel pinned with FUSELAB_CUDA_KERNEL"
+    tiled = ("`CUDA C++ tiled` is the mma.sync kernel and `wgmma` Hopper's, each pinned with FUSELAB_CUDA_KERNEL; "
+             "the default, auto, takes wgmma at K >= 512 on at least half the SMs' worth of 128x256 tiles or at "
+             "K >= 2048, mma.sync elsewhere"
              if any("CUDA C++ wgmma+bias" in r for r in data["rows"])
              else "measured before the wgmma kernel existed: `CUDA C++ tiled` is the mma.sync kernel")
     out = [env_line(data), "", "Forward with bias, TFLOP/s, eager calls, one run with every peer on the same inputs "

@@ -122,6 +122,26 @@ def test_wgmma_kernel(extension, monkeypatch, dtype, b_layout, M, K, N):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(4100, 640, 600), (64, 2112, 296), (4100, 256, 600), (1000, 520, 696)])
+def test_default_kernel(extension, monkeypatch, M, K, N):
+    """The default (auto) at shapes where it takes wgmma (long K, a filled GPU; K >= 2048 on few tiles)
+    and mma.sync (short K; few tiles): right against float64, and in agreement with both kernels
+    pinned. (On the H200 the two kernels' outputs were bit-identical; the choice is about speed.)"""
+    a = randn(M, K, dtype=torch.bfloat16, device="cuda")
+    b = randn(K, N, dtype=torch.bfloat16, device="cuda")
+    bias = torch.randn(N, dtype=torch.bfloat16, device="cuda")
+    ref = torch.relu(a.double() @ b.double() + bias.double())
+    bound = dot_bound(torch.bfloat16, K, a.double().abs(), b.double().abs()) + 2.0**-24 * bias.double().abs()
+    monkeypatch.delenv("FUSELAB_CUDA_KERNEL", raising=False)
+    y = torch.ops.fuselab.matmul_relu_cuda(a, b, bias)
+    assert_close(y, ref, bound, "default kernel")
+    kernels = ("wgmma", "mma") if torch.cuda.get_device_capability() == (9, 0) else ("mma",)
+    for kernel in kernels:
+        monkeypatch.setenv("FUSELAB_CUDA_KERNEL", kernel)
+        assert_close(torch.ops.fuselab.matmul_relu_cuda(a, b, bias), y.double(), 2 * bound, f"default vs {kernel}")
+
+
+@pytest.mark.gpu
 def test_wgmma_pin_explains_itself(extension, monkeypatch):
     a = torch.randn(64, 259, dtype=torch.bfloat16, device="cuda")  # 518-byte rows: no TMA
     b = torch.randn(259, 64, dtype=torch.bfloat16, device="cuda")
@@ -129,5 +149,5 @@ def test_wgmma_pin_explains_itself(extension, monkeypatch):
     with pytest.raises(RuntimeError, match="FUSELAB_CUDA_KERNEL=wgmma, but"):
         torch.ops.fuselab.matmul_relu_cuda(a, b, None)
     monkeypatch.setenv("FUSELAB_CUDA_KERNEL", "fastest")
-    with pytest.raises(RuntimeError, match="must be mma, auto or wgmma"):
+    with pytest.raises(RuntimeError, match="must be auto, mma or wgmma"):
         torch.ops.fuselab.matmul_relu_cuda(a, b, None)

@@ -724,15 +724,21 @@ void launch_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Which fp16/bf16 kernel runs: FUSELAB_CUDA_KERNEL=mma (the default until the wgmma kernel has
-// passed its GPU tests), auto (wgmma where it can run, else mma.sync), or wgmma (an error where it
-// cannot run: tests and benchmarks pin a kernel this way).
+// Which fp16/bf16 kernel runs: FUSELAB_CUDA_KERNEL=auto (the default: wgmma where it can run and
+// pays off, else mma.sync), mma, or wgmma (an error where it cannot run). Tests and benchmarks pin a
+// kernel this way.
 enum class HalfKernel { Auto, Mma, Wgmma };
+int device_attribute(cudaDeviceAttr attr) {  // of the current device
+  int device = 0, value = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  return value;
+}
 HalfKernel requested_kernel() {
   const char* v = std::getenv("FUSELAB_CUDA_KERNEL");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "mma") == 0) return HalfKernel::Mma;
-  if (std::strcmp(v, "auto") == 0) return HalfKernel::Auto;
-  TORCH_CHECK(std::strcmp(v, "wgmma") == 0, "FUSELAB_CUDA_KERNEL must be mma, auto or wgmma, got '", v, "'");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return HalfKernel::Auto;
+  if (std::strcmp(v, "mma") == 0) return HalfKernel::Mma;
+  TORCH_CHECK(std::strcmp(v, "wgmma") == 0, "FUSELAB_CUDA_KERNEL must be auto, mma or wgmma, got '", v, "'");
   return HalfKernel::Wgmma;
 }
 
@@ -740,11 +746,8 @@ HalfKernel requested_kernel() {
 // and stride are 16-byte aligned, with unit stride along the row.
 const char* wgmma_unsupported(const at::Tensor& a, const at::Tensor& b, bool b_col) {
 #if defined(FUSELAB_WGMMA)
-  int device = 0, major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) return "it needs an sm_90 GPU (Hopper)";
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 || device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
+    return "it needs an sm_90 GPU (Hopper)";
   const int64_t K = a.size(1), N = b.size(1);
   if (a.stride(1) != 1 || !aligned16(a, a.stride(0)) || a.stride(0) < K) return "A's rows are not 16-byte aligned";
   const int64_t ldb = b_col ? b.stride(1) : b.stride(0);
@@ -802,11 +805,24 @@ void launch_wgmma(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bi
 }
 #endif
 
-// fp16/bf16: the wgmma kernel where it is asked for and can run, else mma.sync.
+// Where auto prefers mma.sync although wgmma can run: each wgmma tile pays a four-stage pipeline fill
+// and a register epilogue, which a short K loop does not amortize, and its 128 x 256 tiles leave
+// SMs idle on small outputs. The crossover is the H200 benchmark's (experiments/bench_matmul_relu.py
+// --cuda): mma.sync wins at K = 256 (8192 x 8192) and at 1024 x 2048 x 512 (64 tiles for 132 SMs);
+// wgmma wins at K >= 512 with the GPU filled, and at K >= 2048 even on 16 tiles (64 x 4096 x 4096).
+bool wgmma_pays_off(int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = ((M + WgTile::BM - 1) / WgTile::BM) * ((N + WgTile::BN - 1) / WgTile::BN);
+  return K >= 512 && (2 * tiles >= device_attribute(cudaDevAttrMultiProcessorCount) || K >= 2048);
+}
+
+// fp16/bf16: the wgmma kernel where it is asked for (or pays off, under auto) and can run, else mma.sync.
 template <typename T, typename ScalarT>
 void launch_half(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, at::Tensor& out, bool b_col) {
   const HalfKernel want = requested_kernel();
-  const char* why_not = want == HalfKernel::Mma ? "mma.sync was asked for" : wgmma_unsupported(a, b, b_col);
+  const char* why_not = want == HalfKernel::Mma ? "mma.sync was asked for"
+                        : want == HalfKernel::Auto && !wgmma_pays_off(a.size(0), b.size(1), a.size(1))
+                            ? "mma.sync is faster at this shape"
+                            : wgmma_unsupported(a, b, b_col);
 #if defined(FUSELAB_WGMMA)
   if (why_not == nullptr) return launch_wgmma<T, ScalarT>(a, b, bias, out, b_col);
 #endif

@@ -1,17 +1,17 @@
 // Reference CUDA C++ variant of fuselab's fused matmul + bias + ReLU: Y = relu(A @ B + bias).
 //
 // Kernels behind the two ops registered from C++ as torch.ops.fuselab.*:
-//   matmul_relu_cuda        fp16/bf16 on Hopper (sm_90a build, sm_90 GPU, TMA-compatible layouts; opt-in):
+//   matmul_relu_cuda        fp16/bf16 on Hopper (sm_90a build, sm_90 GPU, TMA-compatible layouts):
 //                           wgmma fed by TMA, one producer and two consumer warp groups, 128 x 256
 //                           tiles, a four-stage mbarrier ring, bias + ReLU on the accumulators;
-//                           fp16/bf16 elsewhere: mma.sync.m16n8k16 on tensor cores (fp32 accumulators),
-//                           fragments loaded from shared memory with ldmatrix, A and B tiles staged
+//                           fp16/bf16 elsewhere, and at short K or on few tiles: mma.sync.m16n8k16
+//                           on tensor cores (fp32 accumulators), fragments loaded with ldmatrix, A and B tiles staged
 //                           through a STAGES-deep cp.async ring, bias + ReLU applied to the accumulators
 //                           and the output tile written back through shared memory in 16-byte rows;
 //                           fp32: WMMA on tf32 fragments with the same ring when torch allows tf32
 //                           (torch.backends.cuda.matmul.allow_tf32), otherwise a register-tiled SIMT
-//                           kernel (exact fp32). FUSELAB_CUDA_KERNEL=mma|auto|wgmma picks the fp16/bf16
-//                           kernel (default mma: the wgmma kernel has not yet run on a GPU).
+//                           kernel (exact fp32). FUSELAB_CUDA_KERNEL=auto (default)|mma|wgmma picks the
+//                           fp16/bf16 kernel (launch_half).
 //   matmul_relu_cuda_naive  the tutorial's kernel (one thread per output, fp32 only), kept for
 //                           the benchmark.
 // Layouts: A must have a unit stride along K (any other A is copied once: .contiguous()); B may
@@ -41,9 +41,11 @@ using namespace nvcuda;
 // Small device helpers
 // ------------------------------------------------------------------------------------------------
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) {  // a shared-memory pointer as PTX addresses it
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) mma_kernel(const T* __restrict__
   constexpr int MI = Cfg::WM / 16, NI = Cfg::WN / 8;  // m16 and n8 fragments per warp
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
-  const unsigned smem_addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned smem_addr = smem_u32(smem);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_m = warp / Cfg::WARPS_N, warp_n = warp % Cfg::WARPS_N;
@@ -336,9 +338,6 @@ struct WgTile {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
 }

@@ -2,7 +2,11 @@
 
 Models: torchvision ResNet-50 (channels_last where it applies) and an OPT-style transformers
 decoder with a ReLU MLP (random init), each in training (forward+backward+SGD step) and inference.
-The decoder also runs patched by ``fuselab.nn.fuse_linear_relu``. For every configuration:
+The decoder also runs patched by ``fuselab.nn.fuse_linear_relu``, and as ``opt-norelu``: the stock
+decoder with its ReLU deleted (wrong math, timing only), the most that any fusion of the ReLU into
+its GEMM could save. Precisions: ``fp32`` is PyTorch's default (matmuls in full fp32, convolutions
+already tf32 through ``cudnn.allow_tf32``), ``tf32`` adds ``set_float32_matmul_precision("high")``,
+``bf16`` is autocast. For every configuration:
 throughput, time to the first result (compile time), peak memory, speedup against eager of the
 same model/precision, and the graph breaks Dynamo reports.
 
@@ -30,6 +34,8 @@ from fuselab.nn import fuse_linear_relu  # noqa: E402
 from fuselab.report import RESULTS, environment, markdown_table, save_json  # noqa: E402
 
 MODES = ["eager", "default", "reduce-overhead", "max-autotune"]
+MODELS = ["resnet50", "opt", "opt+fuselab", "opt-norelu"]
+PRECISIONS = {"fp32": "highest", "tf32": "high", "bf16": "highest"}  # -> torch.set_float32_matmul_precision
 COLUMNS = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "first call s", "peak MiB",
            "graph breaks"]
 
@@ -53,6 +59,9 @@ def build(name, tiny, device):
     if name.endswith("+fuselab"):
         model, report = fuse_linear_relu(model)
         assert report.fused, str(report)
+    elif name.endswith("-norelu"):
+        for layer in model.model.decoder.layers:
+            layer.activation_fn = torch.nn.Identity()
     return model, (tokens,), tokens.numel(), "tok/s"
 
 
@@ -63,6 +72,7 @@ def sync(device):
 
 def run_one(name, mode, precision, train, args, device):
     torch._dynamo.reset()
+    torch.set_float32_matmul_precision(PRECISIONS[precision])
     model, inputs, items, unit = build(name, args.tiny, device)
     if name.startswith("resnet50") and args.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -127,9 +137,11 @@ def parse_plan(args):
         if len(fields) != 4:
             raise SystemExit(f"--plan group {group!r} must be models:tasks:precisions:modes")
         grid += itertools.product(*(f.split(",") for f in fields))
-    bad = {mode for *_, mode in grid} - set(MODES)
-    if bad:
-        raise SystemExit(f"unknown modes {sorted(bad)}: choose from {MODES}")
+    for i, (field, known) in enumerate([("models", MODELS), ("tasks", ["train", "infer"]),
+                                         ("precisions", list(PRECISIONS)), ("modes", MODES)]):
+        bad = {cfg[i] for cfg in grid} - set(known)
+        if bad:
+            raise SystemExit(f"unknown {field} {sorted(bad)}: choose from {known}")
     return grid
 
 
@@ -174,9 +186,9 @@ def add_speedups(rows):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="resnet50,opt,opt+fuselab")
+    p.add_argument("--models", default="resnet50,opt,opt+fuselab", help=f"of {MODELS}")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--precisions", default="fp32,bf16", help=f"of {list(PRECISIONS)}")
     p.add_argument("--tasks", default="train,infer")
     p.add_argument("--plan", help="instead of the full grid: 'models:tasks:precisions:modes;...', e.g. "
                                   "'opt,opt+fuselab:train:bf16:eager,default;resnet50:infer:fp32:eager'")
@@ -198,6 +210,7 @@ def main(argv=None):
     path = args.out / f"compile_speedup_{device.type}.json"
     commit = environment()["git_commit"]
     runs = [(p, cfg) for p in range(args.passes) for cfg in grid]  # passes alternate the configurations
+    matmul_precision = torch.get_float32_matmul_precision()  # run_one sets it per configuration
     for done, (_, (model, task, prec, mode)) in enumerate(tqdm(runs)):
         if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
             print(f"budget of {args.budget_min} min spent: skipped {len(runs) - done} of {len(runs)} runs")
@@ -207,6 +220,7 @@ def main(argv=None):
         # Saved after every configuration, so a run cut short keeps what it measured.
         save_json(path.stem, add_speedups(merge_rows(path, rows) if args.merge else rows), {"tiny": args.tiny},
                   out_dir=args.out)
+    torch.set_float32_matmul_precision(matmul_precision)
     rows = list(measured.values())
     print(markdown_table(COLUMNS, [[r.get(k) if r.get(k) is not None else "" for k in COLUMNS] for r in rows]))
     print(f"saved {path}")

@@ -2,6 +2,7 @@
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -67,6 +68,29 @@ def test_compile_speedup_smoke(tmp_path):
     assert compiled["speedup vs eager"] > 0
     with pytest.raises(SystemExit, match="unknown modes"):
         compile_speedup.main(["--plan", "opt:train:fp32:turbo"])
+    with pytest.raises(SystemExit, match="unknown models"):
+        compile_speedup.main(["--plan", "gpt:train:fp32:eager"])
+    with pytest.raises(SystemExit, match="unknown precisions"):
+        compile_speedup.main(["--plan", "opt:train:fp8:eager"])
+
+
+def test_compile_speedup_relu_bound_and_tf32(tmp_path):
+    # opt-norelu is the stock decoder without its ReLU (the bound on what fusing it can save); tf32
+    # sets the matmul precision for its own configuration, and main() restores it.
+    import compile_speedup
+    import torch
+
+    model, *_ = compile_speedup.build("opt-norelu", True, torch.device("cpu"))
+    assert all(type(layer.activation_fn) is torch.nn.Identity for layer in model.model.decoder.layers)
+    stock, *_ = compile_speedup.build("opt", True, torch.device("cpu"))
+    assert all(type(layer.activation_fn) is torch.nn.ReLU for layer in stock.model.decoder.layers)
+    before = torch.get_float32_matmul_precision()
+    seen = []
+    with mock.patch.object(compile_speedup, "add_pass",
+                           lambda measured, row: seen.append(torch.get_float32_matmul_precision())):
+        compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt-norelu:infer:tf32,fp32:eager",
+                              "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
+    assert seen == ["high", "highest"] and torch.get_float32_matmul_precision() == before
 
 
 def test_compile_speedup_merge_runs_in_pieces(tmp_path):

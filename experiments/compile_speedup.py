@@ -160,6 +160,13 @@ def merge_rows(path, rows):
     return kept + list(fresh.values())
 
 
+def merge_failed(path, failed, grid):
+    """The saved failures of configurations this run did not try, then this run's failures."""
+    saved = json.loads(path.read_text()).get("failed", []) if path.exists() else []
+    tried = set(grid)
+    return [f for f in saved if config_key(f) not in tried] + failed
+
+
 def add_pass(measured, row):
     """Fold one timing of a configuration into ``measured``: ms/step (and throughput) become the mean
     over passes, each pass kept in ``ms/step passes``; first-call time and peak memory stay those of
@@ -210,15 +217,24 @@ def main(argv=None):
     path = args.out / f"compile_speedup_{device.type}.json"
     commit = environment()["git_commit"]
     runs = [(p, cfg) for p in range(args.passes) for cfg in grid]  # passes alternate the configurations
+    failed = []
     matmul_precision = torch.get_float32_matmul_precision()  # run_one sets it per configuration
     for done, (_, (model, task, prec, mode)) in enumerate(tqdm(runs)):
         if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
             print(f"budget of {args.budget_min} min spent: skipped {len(runs) - done} of {len(runs)} runs")
             break
-        add_pass(measured, {**run_one(model, mode, prec, task == "train", args, device), "commit": commit})
+        try:
+            add_pass(measured, {**run_one(model, mode, prec, task == "train", args, device), "commit": commit})
+        except Exception as e:  # noqa: BLE001  a configuration that fails (OOM, a compiler error) is reported
+            failed.append({"model": model, "task": task, "precision": prec, "mode": mode, "commit": commit,
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"FAILED {model}:{task}:{prec}:{mode}: {failed[-1]['error']}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         rows = list(measured.values())
         # Saved after every configuration, so a run cut short keeps what it measured.
-        save_json(path.stem, add_speedups(merge_rows(path, rows) if args.merge else rows), {"tiny": args.tiny},
+        save_json(path.stem, add_speedups(merge_rows(path, rows) if args.merge else rows),
+                  {"tiny": args.tiny, "failed": merge_failed(path, failed, grid) if args.merge else failed},
                   out_dir=args.out)
     torch.set_float32_matmul_precision(matmul_precision)
     rows = list(measured.values())

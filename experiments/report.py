@@ -80,7 +80,9 @@ def compile_section(data):
                       "after 5 warm-up steps; `first call s` includes compilation; graph breaks as counted by "
                       "`torch._dynamo.explain` (blank for eager):", "",
                       markdown_table(cols, [[r.get(k) if r.get(k) is not None else "" for k in cols]
-                                            for r in data["rows"]])])
+                                            for r in data["rows"]])]
+                     + [f"\nFailed: {f['model']} {f['task']} {f['precision']} {f['mode']} (commit {f['commit']}): "
+                        f"`{f['error']}`" for f in data.get("failed", [])])
 
 
 def plot_compile(data):

@@ -93,6 +93,30 @@ def test_compile_speedup_relu_bound_and_tf32(tmp_path):
     assert seen == ["high", "highest"] and torch.get_float32_matmul_precision() == before
 
 
+def test_compile_speedup_reports_a_failed_configuration(tmp_path):
+    # One configuration failing (OOM, a compiler error) is reported; the others still run.
+    import compile_speedup
+
+    run_one = compile_speedup.run_one
+
+    def flaky(model, mode, *rest):
+        if mode == "default":
+            raise RuntimeError("out of memory")
+        return run_one(model, mode, *rest)
+
+    with mock.patch.object(compile_speedup, "run_one", flaky):
+        rows = compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt:infer:fp32:default,eager",
+                                     "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
+    assert [r["mode"] for r in rows] == ["eager"]
+    saved = json.loads((tmp_path / "compile_speedup_cpu.json").read_text())
+    assert [(f["mode"], f["error"]) for f in saved["failed"]] == [("default", "RuntimeError: out of memory")]
+    with mock.patch.object(compile_speedup, "run_one", run_one):  # re-run with --merge: the failure is gone
+        compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt:infer:fp32:default", "--merge",
+                              "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "compile_speedup_cpu.json").read_text())
+    assert saved["failed"] == [] and [r["mode"] for r in saved["rows"]] == ["eager", "default"]
+
+
 def test_compile_speedup_merge_runs_in_pieces(tmp_path):
     # --merge keeps the configurations a run skips and replaces the ones it measures; rows carry commits.
     import compile_speedup

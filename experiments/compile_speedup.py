@@ -8,7 +8,8 @@ its GEMM could save. Precisions: ``fp32`` is PyTorch's default (matmuls in full 
 already tf32 through ``cudnn.allow_tf32``), ``tf32`` adds ``set_float32_matmul_precision("high")``,
 ``bf16`` is autocast. For every configuration:
 throughput, time to the first result (compile time), peak memory, speedup against eager of the
-same model/precision, and the graph breaks Dynamo reports.
+same model/precision, the variants' speed against the stock decoder in the same mode, and the graph
+breaks Dynamo reports. A configuration that fails (out of memory, a compiler error) is reported.
 
     python experiments/compile_speedup.py                       # the full study (GPU)
     python experiments/compile_speedup.py --plan 'resnet50:infer:fp32:eager,default' --merge   # a piece of it
@@ -36,8 +37,8 @@ from fuselab.report import RESULTS, environment, markdown_table, save_json  # no
 MODES = ["eager", "default", "reduce-overhead", "max-autotune"]
 MODELS = ["resnet50", "opt", "opt+fuselab", "opt-norelu"]
 PRECISIONS = {"fp32": "highest", "tf32": "high", "bf16": "highest"}  # -> torch.set_float32_matmul_precision
-COLUMNS = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "first call s", "peak MiB",
-           "graph breaks"]
+COLUMNS = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "x stock, same mode", "first call s",
+           "peak MiB", "graph breaks"]
 
 
 def build(name, tiny, device):
@@ -184,11 +185,22 @@ def add_pass(measured, row):
 
 
 def add_speedups(rows):
+    """Each row's speedup against eager mode of its model, and a variant's (opt+fuselab, opt-norelu)
+    against the stock model in the same mode."""
     eager = {(r["model"], r["task"], r["precision"]): r["ms/step"] for r in rows if r["mode"] == "eager"}
+    stock = {(r["task"], r["precision"], r["mode"]): r["ms/step"] for r in rows if r["model"] == "opt"}
     for r in rows:
         base = eager.get((r["model"], r["task"], r["precision"]))
         r["speedup vs eager"] = base / r["ms/step"] if base else None
+        same_mode = stock.get((r["task"], r["precision"], r["mode"])) if r["model"] in ("opt+fuselab", "opt-norelu") else None
+        r["x stock, same mode"] = same_mode / r["ms/step"] if same_mode else None
     return rows
+
+
+def study_order(rows):
+    """Rows sorted by model, task, precision and mode, in the order the study lists them."""
+    order = {name: i for i, name in enumerate(MODELS + ["train", "infer"] + list(PRECISIONS) + MODES)}
+    return sorted(rows, key=lambda r: [order.get(k, len(order)) for k in config_key(r)])
 
 
 def main(argv=None):

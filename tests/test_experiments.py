@@ -117,6 +117,25 @@ def test_compile_speedup_reports_a_failed_configuration(tmp_path):
     assert saved["failed"] == [] and [r["mode"] for r in saved["rows"]] == ["eager", "default"]
 
 
+def test_compile_speedup_ratios_and_order():
+    import compile_speedup
+
+    def row(model, mode, ms, task="train"):
+        return {"model": model, "task": task, "precision": "bf16", "mode": mode, "ms/step": ms}
+
+    rows = compile_speedup.add_speedups([row("opt+fuselab", "default", 30.0), row("opt", "default", 33.0),
+                                         row("opt", "eager", 40.0), row("opt+fuselab", "eager", 44.0),
+                                         row("resnet50", "eager", 20.0, "infer")])
+    by = {(r["model"], r["mode"]): r for r in rows}
+    assert by["opt+fuselab", "default"]["speedup vs eager"] == pytest.approx(44 / 30)
+    assert by["opt+fuselab", "default"]["x stock, same mode"] == pytest.approx(33 / 30)
+    assert by["opt+fuselab", "eager"]["x stock, same mode"] == pytest.approx(40 / 44)
+    assert by["opt", "eager"]["x stock, same mode"] is None and by["resnet50", "eager"]["x stock, same mode"] is None
+    assert [(r["model"], r["mode"]) for r in compile_speedup.study_order(rows)] == [
+        ("resnet50", "eager"), ("opt", "eager"), ("opt", "default"), ("opt+fuselab", "eager"),
+        ("opt+fuselab", "default")]
+
+
 def test_compile_speedup_merge_runs_in_pieces(tmp_path):
     # --merge keeps the configurations a run skips and replaces the ones it measures; rows carry commits.
     import compile_speedup

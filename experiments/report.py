@@ -78,7 +78,8 @@ def compile_section(data):
     cols = COLUMNS + ["commit"] if any("commit" in r for r in data["rows"]) else COLUMNS  # rows merged from runs
     return "\n".join([env_line(data), "", "Training = forward + backward + SGD step; ms/step is the mean of 20 steps "
                       "after 5 warm-up steps; `first call s` includes compilation; graph breaks as counted by "
-                      "`torch._dynamo.explain` (blank for eager):", "",
+                      "`torch._dynamo.explain` (blank for eager); `x stock, same mode` is the stock decoder's ms/step over "
+                      "the row's (same task, precision and mode): above 1 the variant is faster:", "",
                       markdown_table(cols, [[r.get(k) if r.get(k) is not None else "" for k in cols]
                                             for r in data["rows"]])]
                      + [f"\nFailed: {f['model']} {f['task']} {f['precision']} {f['mode']} (commit {f['commit']}): "

@@ -192,7 +192,8 @@ def add_speedups(rows):
     for r in rows:
         base = eager.get((r["model"], r["task"], r["precision"]))
         r["speedup vs eager"] = base / r["ms/step"] if base else None
-        same_mode = stock.get((r["task"], r["precision"], r["mode"])) if r["model"] in ("opt+fuselab", "opt-norelu") else None
+        variant = r["model"] in ("opt+fuselab", "opt-norelu")
+        same_mode = stock.get((r["task"], r["precision"], r["mode"])) if variant else None
         r["x stock, same mode"] = same_mode / r["ms/step"] if same_mode else None
     return rows
 

@@ -153,6 +153,65 @@ def test_hf_t5_dense_relu_dense():
     compare(model, patched, input_ids=ids, decoder_input_ids=ids)
 
 
+def _hf_model(name, **cfg):
+    import transformers
+
+    config = getattr(transformers, f"{name}Config")(**cfg)
+    return getattr(transformers, f"{name}ForCausalLM")(config).eval()
+
+
+def test_hf_gated_relu_mlps_and_neox():
+    # Llama-style gated MLPs (act(gate_proj x) * up_proj x) and GPT-NeoX, configured with ReLU.
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+                 max_position_embeddings=32, hidden_act="relu")
+    for name, extra, suffix in [("Llama", dict(num_key_value_heads=1), "gate_proj"),
+                                ("Qwen2", dict(num_key_value_heads=1), "gate_proj"),
+                                ("GPTNeoX", dict(rotary_pct=1.0), "dense_h_to_4h")]:
+        model = _hf_model(name, **small, **extra)
+        patched, report = fuse_linear_relu(copy.deepcopy(model))
+        assert len(report.fused) == 2 and all(n.endswith(suffix) for n in report.fused), (name, str(report))
+        compare(model, patched, torch.randint(0, 64, (2, 7)))
+        gelu = _hf_model(name, **{**small, "hidden_act": "gelu"}, **extra)
+        assert fuse_linear_relu(gelu)[1].fused == []
+
+
+def test_hf_bart_and_gated_t5():
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, activation_function="relu",
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)).eval()
+    t5 = T5ForConditionalGeneration(T5Config(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_decoder_layers=1, num_heads=2,
+        feed_forward_proj="gated-relu", dropout_rate=0.0, decoder_start_token_id=0)).eval()
+    ids = torch.randint(3, 64, (2, 6))
+    for model, suffix in [(bart, "fc1"), (t5, "DenseReluDense.wi_0")]:
+        patched, report = fuse_linear_relu(copy.deepcopy(model))
+        assert len(report.fused) == 2 and all(n.endswith(suffix) for n in report.fused), str(report)
+        compare(model, patched, input_ids=ids, decoder_input_ids=ids)
+
+
+def test_hf_adapter_checks_the_block_it_patches():
+    # A block with an adapter's class name whose forward uses the Linear's output twice (a reshaped
+    # block in some other transformers release) is left alone, with the reason.
+    class LlamaMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.act_fn = nn.Linear(8, 8), nn.ReLU()
+
+        def forward(self, x):
+            g = self.gate_proj(x)
+            return self.act_fn(g) + g
+
+    model = nn.Sequential(LlamaMLP())
+    x = torch.randn(3, 8)
+    before = model(x)
+    patched, report = fuse_linear_relu(model)
+    assert report.fused == [] and "no longer computes act_fn(gate_proj(x))" in report.skipped["0.gate_proj"]
+    torch.testing.assert_close(patched(x), before)
+
+
 class MatmulNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -7,7 +7,11 @@ Three mechanisms, tried in this order, each recorded in the returned report:
 ``fuse_relu_matmul`` is the graph rewrite behind (3) and behind ``fused_backend``, which does the
 same for any model ``torch.compile`` captures.
 """
+import ast
+import functools
+import inspect
 import operator
+import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -18,14 +22,53 @@ from torch import nn
 from fuselab.kernels import linear_relu, matmul_relu
 from fuselab.nn.linear_relu import FusedLinearReLU
 
-# class name -> (Linear attribute, activation attribute): the feed-forward computes act(linear(x)).
+# class name -> (Linear attribute, activation attribute): the block computes act(linear(x)) and uses
+# linear's output nowhere else. Names of several transformers versions; a block is patched only if
+# its forward's source still has that shape (``_adapter_matches``).
 HF_ADAPTERS: Dict[str, Tuple[str, str]] = {
     "OPTDecoderLayer": ("fc1", "activation_fn"),
-    "T5DenseActDense": ("wi", "act"),
+    **{f"{arch}{side}Layer": ("fc1", "activation_fn")
+       for arch in ("Bart", "MBart", "Marian", "Pegasus", "Whisper") for side in ("Encoder", "Decoder")},
+    **{f"{arch}DenseActDense": ("wi", "act") for arch in ("T5", "MT5", "UMT5")},
+    **{f"{arch}DenseGatedActDense": ("wi_0", "act") for arch in ("T5", "MT5", "UMT5")},  # act(wi_0 x) * wi_1 x
+    **{f"{arch}MLP": ("gate_proj", "act_fn") for arch in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma")},
+    "GPTNeoXMLP": ("dense_h_to_4h", "act"),
     "BertIntermediate": ("dense", "intermediate_act_fn"),
     "RobertaIntermediate": ("dense", "intermediate_act_fn"),
     "ViTIntermediate": ("dense", "intermediate_act_fn"),
+    "ViTMLP": ("fc1", "activation_fn"),
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter_matches(cls: type, lin: str, act: str) -> bool:
+    """Whether ``cls.forward`` calls ``self.<lin>`` and ``self.<act>`` once each, as ``act(lin(x))``
+    or as ``h = self.<lin>(...)`` directly followed by ``h = self.<act>(h)``: a transformers
+    release that reshapes the block is then left alone instead of being patched wrongly."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+
+    def call_of(node, attr):
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self")
+
+    calls = [n for n in ast.walk(tree) if call_of(n, lin) or call_of(n, act)]
+    if sorted(n.func.attr for n in calls) != sorted([lin, act]):
+        return False
+    act_call = next(n for n in calls if n.func.attr == act)
+    if len(act_call.args) == 1 and call_of(act_call.args[0], lin):
+        return True
+    for body in (n.body for n in ast.walk(tree) if isinstance(getattr(n, "body", None), list)):
+        for first, second in zip(body, body[1:]):
+            if (isinstance(first, ast.Assign) and isinstance(second, ast.Assign) and call_of(first.value, lin)
+                    and second.value is act_call and len(first.targets) == len(second.targets) == 1
+                    and isinstance(first.targets[0], ast.Name) and act_call.args
+                    and isinstance(act_call.args[0], ast.Name)
+                    and first.targets[0].id == second.targets[0].id == act_call.args[0].id):
+                return True
+    return False
 
 
 @dataclass
@@ -51,6 +94,9 @@ def _fuse_hf_blocks(model, filter_fn, report) -> None:
         full = f"{name}.{lin_attr}" if name else lin_attr
         if type(act) is not nn.ReLU:
             report.skipped[full] = f"activation is {type(act).__name__}, not ReLU"
+        elif not _adapter_matches(type(module), lin_attr, act_attr):
+            report.skipped[full] = (f"{type(module).__name__}.forward no longer computes "
+                                    f"{act_attr}({lin_attr}(x)) alone (another transformers version?)")
         elif type(lin) is nn.Linear and filter_fn(full, lin):
             setattr(module, lin_attr, FusedLinearReLU.from_linear(lin))
             setattr(module, act_attr, nn.Identity())

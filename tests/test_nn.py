@@ -175,6 +175,29 @@ def test_hf_gated_relu_mlps_and_neox():
         assert fuse_linear_relu(gelu)[1].fused == []
 
 
+def test_hf_gpt2_conv1d():
+    # GPT-2's MLP uses transformers' Conv1D (x @ weight + bias): fused as FusedConv1DReLU, same state_dict.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fuselab.nn import FusedConv1DReLU
+
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, activation_function="relu",
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg).eval()
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    assert len(report.fused) == 2 and all(n.endswith("mlp.c_fc") for n in report.fused), str(report)
+    assert isinstance(patched.transformer.h[0].mlp.c_fc, FusedConv1DReLU)
+    assert patched.state_dict().keys() == model.state_dict().keys()
+    compare(model, patched, torch.randint(0, 64, (2, 7)))
+    gelu = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    assert fuse_linear_relu(gelu)[1].fused == []
+    layer = FusedConv1DReLU(nf=9, nx=5)
+    torch.nn.init.normal_(layer.bias)  # zeros at init, like Conv1D's
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(layer(x), torch.relu(x @ layer.weight + layer.bias), **TOL)
+    assert repr(layer) == "FusedConv1DReLU(nf=9, nx=5)" and layer.weight.shape == (5, 9)
+
+
 def test_hf_bart_and_gated_t5():
     from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 

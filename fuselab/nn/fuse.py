@@ -20,7 +20,7 @@ import torch.fx
 from torch import nn
 
 from fuselab.kernels import linear_relu, matmul_relu
-from fuselab.nn.linear_relu import FusedLinearReLU
+from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 
 # class name -> (Linear attribute, activation attribute): the block computes act(linear(x)) and uses
 # linear's output nowhere else. Names of several transformers versions; a block is patched only if
@@ -33,6 +33,7 @@ HF_ADAPTERS: Dict[str, Tuple[str, str]] = {
     **{f"{arch}DenseGatedActDense": ("wi_0", "act") for arch in ("T5", "MT5", "UMT5")},  # act(wi_0 x) * wi_1 x
     **{f"{arch}MLP": ("gate_proj", "act_fn") for arch in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma")},
     "GPTNeoXMLP": ("dense_h_to_4h", "act"),
+    "GPT2MLP": ("c_fc", "act"),  # a transformers Conv1D: x @ weight + bias
     "BertIntermediate": ("dense", "intermediate_act_fn"),
     "RobertaIntermediate": ("dense", "intermediate_act_fn"),
     "ViTIntermediate": ("dense", "intermediate_act_fn"),
@@ -84,6 +85,15 @@ class FusionReport:
         return "\n".join(lines)
 
 
+def _fused_layer(layer):
+    """The converter to a fused layer for ``layer`` (an exact nn.Linear or transformers' Conv1D), else None."""
+    if type(layer) is nn.Linear:
+        return FusedLinearReLU.from_linear
+    if type(layer).__name__ == "Conv1D" and type(layer).__module__ == "transformers.pytorch_utils":
+        return FusedConv1DReLU.from_conv1d
+    return None
+
+
 def _fuse_hf_blocks(model, filter_fn, report) -> None:
     for name, module in model.named_modules():
         adapter = HF_ADAPTERS.get(type(module).__name__)
@@ -97,8 +107,8 @@ def _fuse_hf_blocks(model, filter_fn, report) -> None:
         elif not _adapter_matches(type(module), lin_attr, act_attr):
             report.skipped[full] = (f"{type(module).__name__}.forward no longer computes "
                                     f"{act_attr}({lin_attr}(x)) alone (another transformers version?)")
-        elif type(lin) is nn.Linear and filter_fn(full, lin):
-            setattr(module, lin_attr, FusedLinearReLU.from_linear(lin))
+        elif _fused_layer(lin) is not None and filter_fn(full, lin):
+            setattr(module, lin_attr, _fused_layer(lin)(lin))
             setattr(module, act_attr, nn.Identity())
             report.fused.append(full)
 
@@ -124,8 +134,8 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, nn.Lin
     """Replace every Linear followed by ReLU with the fused op; returns ``(model, report)``.
 
     Modules are patched in place (HF blocks, Sequential pairs); other models are traced with
-    torch.fx and a rewritten GraphModule is returned. ``filter_fn(name, linear) -> bool`` can
-    veto a layer. A Linear whose output is also used elsewhere, or with anything (Dropout, say)
+    torch.fx and a rewritten GraphModule is returned. ``filter_fn(name, layer) -> bool`` can
+    veto a layer (an nn.Linear, or GPT-2's Conv1D). A Linear whose output is also used elsewhere, or with anything (Dropout, say)
     between it and the ReLU, is left alone; a model with nothing to fuse is returned unchanged.
     """
     filter_fn = filter_fn or (lambda name, linear: True)

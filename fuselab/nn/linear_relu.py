@@ -1,7 +1,15 @@
-"""FusedLinearReLU: ``relu(linear(x))`` in one fused kernel, a drop-in for Linear + ReLU."""
+"""Fused ``relu(linear(x))`` layers: drop-ins for Linear + ReLU and for GPT-2's Conv1D + ReLU."""
 import torch
 
-from fuselab.kernels import linear_relu
+from fuselab.kernels import linear_relu, matmul_relu
+
+
+def _autocast(x, weight, bias):
+    """Inputs and parameters in the autocast dtype where autocast is on, as its matmuls would be."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
 
 
 class FusedLinearReLU(torch.nn.Linear):
@@ -22,9 +30,29 @@ class FusedLinearReLU(torch.nn.Linear):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        return linear_relu(x, weight, bias)
+        return linear_relu(*_autocast(x, self.weight, self.bias))
+
+
+class FusedConv1DReLU(torch.nn.Module):
+    """transformers' ``Conv1D`` (GPT-2: ``x @ weight + bias``, weight shaped (nx, nf)) followed by
+    ReLU, fused; the same parameters and state_dict keys. ``from_conv1d`` shares a Conv1D's."""
+
+    def __init__(self, nf: int, nx: int, device=None, dtype=None):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = torch.nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype).normal_(std=0.02))
+        self.bias = torch.nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+
+    @classmethod
+    def from_conv1d(cls, conv: torch.nn.Module) -> "FusedConv1DReLU":
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.nf, fused.nx = conv.nf, conv.nx
+        fused.weight, fused.bias = conv.weight, conv.bias
+        return fused
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul_relu(*_autocast(x, self.weight, self.bias))

@@ -12,6 +12,16 @@ def _autocast(x, weight, bias):
     return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
 
 
+def _sharing_parameters(cls, layer, **sizes):
+    """A ``cls`` around ``layer``'s own weight and bias (no copy, no initialization), with ``sizes``."""
+    fused = cls.__new__(cls)
+    torch.nn.Module.__init__(fused)
+    for name, value in sizes.items():
+        setattr(fused, name, value)
+    fused.weight, fused.bias = layer.weight, layer.bias
+    return fused
+
+
 class FusedLinearReLU(torch.nn.Linear):
     """``nn.Linear`` followed by ReLU, computed by ``torch.ops.fuselab.matmul_relu``.
 
@@ -23,11 +33,7 @@ class FusedLinearReLU(torch.nn.Linear):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> "FusedLinearReLU":
         """A FusedLinearReLU that shares ``linear``'s parameters (no copy)."""
-        fused = cls.__new__(cls)
-        torch.nn.Module.__init__(fused)
-        fused.in_features, fused.out_features = linear.in_features, linear.out_features
-        fused.weight, fused.bias = linear.weight, linear.bias
-        return fused
+        return _sharing_parameters(cls, linear, in_features=linear.in_features, out_features=linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_relu(*_autocast(x, self.weight, self.bias))
@@ -45,11 +51,7 @@ class FusedConv1DReLU(torch.nn.Module):
 
     @classmethod
     def from_conv1d(cls, conv: torch.nn.Module) -> "FusedConv1DReLU":
-        fused = cls.__new__(cls)
-        torch.nn.Module.__init__(fused)
-        fused.nf, fused.nx = conv.nf, conv.nx
-        fused.weight, fused.bias = conv.weight, conv.bias
-        return fused
+        return _sharing_parameters(cls, conv, nf=conv.nf, nx=conv.nx)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}"

@@ -7,8 +7,8 @@ Rows (microseconds per call, wall time over many calls, bf16, nn.Linear layout `
 torch's ``relu(addmm)`` forward and forward+backward; the same through a Python
 ``autograd.Function`` (what a Python backward costs by itself); fuselab's forward and
 forward+backward, with launch plans (the default) and without (every launch binds its arguments
-through Triton). Then the reason a Python backward costs more than its code: the same pure-Python
-loop timed on the main thread and inside a backward, which autograd runs on its own device thread.
+through Triton). Then whether Python runs slower inside a backward, which autograd runs on its own
+device thread: the same pure-Python loop timed there and on the main thread.
 """
 import argparse
 import cProfile
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fuselab.kernels import matmul_relu  # noqa: E402
 from fuselab.report import RESULTS, markdown_table, save_json  # noqa: E402
+
 
 def per_call_us(fn, n=500):
     for _ in range(20):  # warm-up: autotuning, compilation, the first plan

@@ -102,13 +102,14 @@ def _fuse_hf_blocks(model, filter_fn, report) -> None:
         lin_attr, act_attr = adapter
         lin, act = getattr(module, lin_attr), getattr(module, act_attr)
         full = f"{name}.{lin_attr}" if name else lin_attr
+        convert = _fused_layer(lin)
         if type(act) is not nn.ReLU:
             report.skipped[full] = f"activation is {type(act).__name__}, not ReLU"
         elif not _adapter_matches(type(module), lin_attr, act_attr):
             report.skipped[full] = (f"{type(module).__name__}.forward no longer computes "
                                     f"{act_attr}({lin_attr}(x)) alone (another transformers version?)")
-        elif _fused_layer(lin) is not None and filter_fn(full, lin):
-            setattr(module, lin_attr, _fused_layer(lin)(lin))
+        elif convert is not None and filter_fn(full, lin):
+            setattr(module, lin_attr, convert(lin))
             setattr(module, act_attr, nn.Identity())
             report.fused.append(full)
 

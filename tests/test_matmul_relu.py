@@ -65,6 +65,44 @@ def test_batched_and_linear(device, dtype):
     torch.testing.assert_close(linear_relu(x.detach(), w, bias), y.detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("a_layout,b_layout", [("contiguous", "transposed"), ("transposed", "sliced")])
+@pytest.mark.parametrize("mask_on_load", [True, False], ids=["mask-on-load", "grad-written"])
+def test_pytorch_kernel_bodies(a_layout, b_layout, mask_on_load, monkeypatch):
+    # The op's bodies when PyTorch's GEMMs run (plain CPU; exact fp32 on a GPU): values, gradients,
+    # batched input, and outputs laid out as the fake implementations say (opcheck).
+    monkeypatch.setattr(matmul_relu_module, "_runs_triton", lambda t: False)
+    monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: mask_on_load)
+    dtype = torch.float32
+    b = randn(23, 19, dtype=dtype, device="cpu", layout=b_layout)
+    check_forward_backward(randn(31, 23, dtype=dtype, device="cpu", layout=a_layout), b,
+                           torch.randn(19), dtype)
+    check_forward_backward(torch.randn(2, 5, 23), b.detach(), None, dtype)
+    a = randn(31, 23, dtype=dtype, device="cpu", layout=a_layout)
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu, (a.requires_grad_(True), b, torch.randn(19)))
+    y = matmul_relu(a, b).detach()
+    dy = torch.randn_like(y)
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu_grad_a, (dy, y, b.detach()))
+    torch.library.opcheck(torch.ops.fuselab.matmul_relu_grad_b, (dy, y, a.detach(), b.detach()))
+
+
+@pytest.mark.gpu
+def test_exact_fp32_runs_cublas():
+    # At torch's default fp32 precision the op runs cuBLAS's SGEMM and a ReLU (faster than Triton's
+    # exact-fp32 dot): the output is torch's own, bit for bit (Triton's sums in another order).
+    assert torch.get_float32_matmul_precision() == "highest"
+    a = randn(300, 259, dtype=torch.float32, device="cuda", layout="transposed").requires_grad_(True)
+    w = torch.randn(133, 259, device="cuda", requires_grad=True)
+    bias = torch.randn(133, device="cuda", requires_grad=True)
+    dy = torch.randn(300, 133, device="cuda")
+    results = []
+    for fn in (linear_relu, lambda x, w, bias: torch.relu(torch.nn.functional.linear(x, w, bias))):
+        y = fn(a, w, bias)
+        results.append((y.detach(), *torch.autograd.grad(y, (a, w, bias), dy)))
+    assert torch.equal(results[0][0], results[1][0])
+    for ours, torchs in zip(results[0][1:], results[1][1:]):  # cuBLAS may pick another algorithm per layout
+        torch.testing.assert_close(ours, torchs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_nan_propagates(device):
     a = torch.randn(9, 12, device=device)

@@ -370,13 +370,24 @@ def _forward_fake(a, b, bias):
     return a.new_empty(*a.shape[:-1], b.shape[1])
 
 
+def _runs_triton(t: torch.Tensor) -> bool:
+    """Whether the op's GEMMs on ``t`` run Triton, or PyTorch's own kernels (and a separate ReLU).
+
+    Plain CPU runs PyTorch's. So does exact fp32 on a GPU (``"highest"``, torch's default
+    precision): Triton's exact-fp32 dot has no tensor-core form and loses to cuBLAS's SGEMM (the
+    OPT decoder's fp32 inference ran at 0.79x stock through it on the H200). fp32 at ``"high"``
+    (tf32), fp16 and bf16 run the fused kernel."""
+    return uses_triton(t) and not (t.is_cuda and t.dtype == torch.float32
+                                   and torch.get_float32_matmul_precision() == "highest")
+
+
 def _forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if not _runs_triton(a):
+        _check_inputs(a, b, bias)
+        a2 = _rows(a)
+        return torch.relu(a2 @ b if bias is None else torch.addmm(bias, a2, b)).view(*a.shape[:-1], b.shape[1])
     y = _forward_fake(a, b, bias)
-    a2, y2 = _rows(a), _rows(y)
-    if uses_triton(a):
-        _gemm(a2, b, y2, bias=bias, relu=True)
-    else:  # plain CPU: PyTorch's own kernels
-        y2.copy_(torch.relu(a2 @ b if bias is None else torch.addmm(bias, a2, b)))
+    _gemm(_rows(a), b, _rows(y), bias=bias, relu=True)
     return y
 
 
@@ -386,13 +397,12 @@ def _grad_a_fake(grad, y, b):
 
 def _grad_a(grad: torch.Tensor, y: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
     """dA = G @ b^T with G = where(y <= 0, 0, grad) (``y`` None: ``grad`` is G), shaped like A."""
-    out = _grad_a_fake(grad, y, b)
-    g2, out2 = _rows(grad), _rows(out)
+    g2 = _rows(grad)
     y2 = None if y is None else _rows(y)
-    if uses_triton(grad):
-        _gemm(g2, b.t(), out2, mask=y2)
-    else:
-        out2.copy_(_relu_grad(g2, y2) @ b.t())
+    if not _runs_triton(grad):
+        return (_relu_grad(g2, y2) @ b.t()).view(*grad.shape[:-1], b.shape[0])
+    out = _grad_a_fake(grad, y, b)
+    _gemm(g2, b.t(), _rows(out), mask=y2)
     return out
 
 
@@ -406,11 +416,11 @@ def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
     grad_b, grad_bias = _grad_b_fake(grad, y, a, b)
     g2, a2 = _rows(grad), _rows(a)
     y2 = None if y is None else _rows(y)
-    if uses_triton(grad) and y2 is not None:  # as dB^T = G^T @ A: the masked operand is the left one
+    if _runs_triton(grad) and y2 is not None:  # as dB^T = G^T @ A: the masked operand is the left one
         _gemm(g2.t(), a2, grad_b.t(), mask=y2.t(), rowsum=grad_bias)
         return grad_b, grad_bias
     g = _relu_grad(g2, y2)
-    if uses_triton(grad):
+    if _runs_triton(grad):
         _gemm(a2.t(), g, grad_b)
     else:
         grad_b.copy_(a2.t() @ g)

@@ -491,7 +491,8 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
         bias: (N,) or None.
     All three share one device and one dtype out of float16, bfloat16 and float32; the result
     has that dtype, accumulated in fp32 (fp32 inputs use tf32 unless
-    ``torch.get_float32_matmul_precision() == "highest"``, the default). NaN propagates, the
+    ``torch.get_float32_matmul_precision() == "highest"``, the default, where a GPU runs cuBLAS's
+    SGEMM and a ReLU instead: see ``_runs_triton``). NaN propagates, the
     gradient at an output of exactly 0 is 0. Raises ValueError/TypeError naming the bad shapes,
     dtypes or devices. ``backend="cuda"`` runs the CUDA C++ reference instead (built on first use).
     """

@@ -71,6 +71,7 @@ def test_pytorch_kernel_bodies(a_layout, b_layout, mask_on_load, monkeypatch):
     # The op's bodies when PyTorch's GEMMs run (plain CPU; exact fp32 on a GPU): values, gradients,
     # batched input, and outputs laid out as the fake implementations say (opcheck).
     monkeypatch.setattr(matmul_relu_module, "_runs_triton", lambda t: False)
+    assert not matmul_relu_module._mask_on_load(torch.ones(1))  # G once, not masked again per product
     monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: mask_on_load)
     dtype = torch.float32
     b = randn(23, 19, dtype=dtype, device="cpu", layout=b_layout)

@@ -2,4 +2,5 @@
 from fuselab.nn.fuse import FusionReport, fuse_linear_relu, fuse_relu_matmul, fused_backend
 from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 
-__all__ = ["FusedConv1DReLU", "FusedLinearReLU", "FusionReport", "fuse_linear_relu", "fuse_relu_matmul", "fused_backend"]
+__all__ = ["FusedConv1DReLU", "FusedLinearReLU", "FusionReport", "fuse_linear_relu", "fuse_relu_matmul",
+           "fused_backend"]

@@ -136,8 +136,9 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, nn.Lin
 
     Modules are patched in place (HF blocks, Sequential pairs); other models are traced with
     torch.fx and a rewritten GraphModule is returned. ``filter_fn(name, layer) -> bool`` can
-    veto a layer (an nn.Linear, or GPT-2's Conv1D). A Linear whose output is also used elsewhere, or with anything (Dropout, say)
-    between it and the ReLU, is left alone; a model with nothing to fuse is returned unchanged.
+    veto a layer (an nn.Linear, or GPT-2's Conv1D). A Linear whose output is also used elsewhere,
+    or with anything (Dropout, say) between it and the ReLU, is left alone; a model with nothing to
+    fuse is returned unchanged.
     """
     filter_fn = filter_fn or (lambda name, linear: True)
     report = FusionReport()

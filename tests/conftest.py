@@ -1,4 +1,8 @@
-"""Test setup: the Triton interpreter on machines without CUDA, and the gpu marker's skip."""
+"""Test setup: the Triton interpreter on machines without CUDA, the gpu marker's skip, and seeds.
+
+Every test runs on fresh random inputs (torch's generators seeded per test). A failing test's report
+has a "random seed" section; ``FUSELAB_TEST_SEED=<seed> pytest ...`` reruns with that seed.
+"""
 import os
 
 import torch
@@ -11,6 +15,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+SEED_ENV = "FUSELAB_TEST_SEED"
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -22,8 +28,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    # Fresh random inputs every run, but a failure prints the seed that reproduces it.
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
+def _fresh_seed(request):
+    # Fresh random inputs every run; the seed is kept on the test item for the report below.
+    fixed = os.environ.get(SEED_ENV)
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
+    request.node.fuselab_seed = seed
+    request.node.user_properties.append(("seed", seed))  # junit-xml and report logs carry it too
+    torch.manual_seed(seed)  # every device's generator
     yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "fuselab_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("random seed", f"{seed}; rerun on the same inputs: "
+                                               f"{SEED_ENV}={seed} pytest '{item.nodeid}'"))

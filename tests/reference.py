@@ -9,8 +9,7 @@ UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-2
 TF32_UNIT = 2.0**-11
 
 DEVICES = [pytest.param("cpu")] if INTERPRET else [pytest.param("cuda", marks=pytest.mark.gpu)]
-# The interpreter's tl.dot mishandles bf16, so bf16 is tested on the GPU only.
-DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def dot_bound(dtype: torch.dtype, k: int, a_abs: torch.Tensor, b_abs: torch.Tensor) -> torch.Tensor:
@@ -47,6 +46,23 @@ def randn(*shape, dtype, device, layout="contiguous"):
         return torch.randn(*reversed(shape), dtype=dtype, device=device).t()
     if layout == "sliced":  # every other column of a wider tensor: row stride != columns
         return torch.randn(shape[0], 2 * shape[1], dtype=dtype, device=device)[:, ::2]
+    raise ValueError(layout)
+
+
+# Biases of every layout matmul_relu promises: contiguous, strided, a column, an expanded scalar.
+BIAS_LAYOUTS = ["contiguous", "strided", "column", "broadcast"]
+
+
+def rand_bias(n, dtype, device, layout="contiguous"):
+    """A random (n,) bias laid out as ``layout`` (one of BIAS_LAYOUTS)."""
+    if layout == "contiguous":
+        return torch.randn(n, dtype=dtype, device=device)
+    if layout == "strided":  # every other element
+        return torch.randn(2 * n, dtype=dtype, device=device)[::2]
+    if layout == "column":  # a column of a row-major matrix: stride = its row length
+        return torch.randn(n, 3, dtype=dtype, device=device)[:, 0]
+    if layout == "broadcast":  # one value expanded: stride 0
+        return torch.randn((), dtype=dtype, device=device).expand(n)
     raise ValueError(layout)
 
 

@@ -1,18 +1,16 @@
-"""fuselab.kernels.matmul_relu: values, gradients, registration, errors, autotuning.
+"""fuselab.kernels.matmul_relu: values, gradients (higher-order and forward-mode too), registration,
+errors. Autotuning and launch plans are tested in test_autotune.py and test_launch_plans.py.
 
 On a CPU the Triton kernels run in the interpreter (conftest); on a GPU run `pytest -m gpu`.
 """
 import importlib
-import json
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import fuselab
-from fuselab.kernels import _autotune, linear_relu, matmul_relu
-from reference import DEVICES, DTYPES, check_forward_backward, randn
+from fuselab.kernels import linear_relu, matmul_relu
+from reference import BIAS_LAYOUTS, DEVICES, DTYPES, check_forward_backward, rand_bias, randn
 
 matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu")  # the package re-exports the function
 
@@ -63,6 +61,29 @@ def test_batched_and_linear(device, dtype):
     y = check_forward_backward(x, w.t(), bias, dtype)
     assert y.shape == (2, 3, 17)
     torch.testing.assert_close(linear_relu(x.detach(), w, bias), y.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias_layout", BIAS_LAYOUTS)
+def test_bias_layouts(device, dtype, bias_layout):
+    # A bias of any strides is read at its strides (a slice, a column, an expanded scalar: stride 0);
+    # N spans two column tiles, so a tile that indexes the bias from 0 is caught too.
+    M, K, N = 19, 23, 45
+    bias = rand_bias(N, dtype, device, bias_layout)
+    assert bias_layout == "contiguous" or not bias.is_contiguous()
+    check_forward_backward(randn(M, K, dtype=dtype, device=device),
+                           randn(K, N, dtype=dtype, device=device, layout="transposed"), bias, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias_layout", BIAS_LAYOUTS)
+def test_bias_layouts_pytorch_kernels(device, bias_layout, monkeypatch):
+    # The same where PyTorch's kernels run (plain CPU; exact fp32 on a GPU), through the registered op.
+    monkeypatch.setattr(matmul_relu_module, "_runs_triton", lambda t: False)
+    bias = rand_bias(29, torch.float32, device, bias_layout)
+    check_forward_backward(torch.randn(2, 7, 17, device=device), torch.randn(17, 29, device=device), bias,
+                           torch.float32, op=torch.ops.fuselab.matmul_relu)
 
 
 @pytest.mark.parametrize("a_layout,b_layout", [("contiguous", "transposed"), ("transposed", "sliced")])
@@ -155,6 +176,177 @@ def test_deterministic(device):
 
 
 # ----------------------------------------------------------------------------------------------
+# Higher-order and forward-mode gradients: PyTorch's, through every entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def torch_matmul_relu(a, b, bias=None):
+    return torch.relu(a @ b if bias is None else a @ b + bias)
+
+
+# The eager Function (Triton bodies), the registered op (as traced or subclassed calls reach it),
+# and the op's PyTorch-kernel bodies (plain CPU; exact fp32 on a GPU).
+PATHS = ["eager", "op", "pytorch-kernels"]
+
+
+@pytest.fixture
+def fuselab_op(request, monkeypatch):
+    """``matmul_relu`` as the path named by the test's ``path`` parameter runs it."""
+    if request.getfixturevalue("device") == "cuda":  # fp32 at "highest" runs cuBLAS: Triton needs "high"
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        request.addfinalizer(lambda: torch.set_float32_matmul_precision(previous))
+    path = request.getfixturevalue("path")
+    if path == "pytorch-kernels":
+        monkeypatch.setattr(matmul_relu_module, "_runs_triton", lambda t: False)
+    if path == "op":
+        return lambda a, b, bias=None: torch.ops.fuselab.matmul_relu(a, b, bias)
+    return matmul_relu
+
+
+def assert_matches_torch(ours, ref, what, device):
+    """Elementwise, relative to the reference's largest entry (tf32 on a GPU, fp32 on a CPU). A
+    dropped term is an error of the order of that entry."""
+    assert len(ours) == len(ref), what
+    for i, (o, r) in enumerate(zip(ours, ref)):
+        assert o is not None and o.shape == r.shape, f"{what}[{i}]: {o} vs shape {tuple(r.shape)}"
+        finite = r[~r.isnan()].abs()
+        scale = (finite.max().item() if finite.numel() else 0.0) or 1.0
+        tol = 1e-2 if device == "cuda" else 1e-4
+        torch.testing.assert_close(o, r, rtol=tol, atol=tol * scale, equal_nan=True, msg=lambda m: f"{what}[{i}]: {m}")
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", PATHS)
+def test_double_backward_matches_torch(device, path, fuselab_op):
+    # create_graph=True: the gradients have a graph, and its gradients are torch.relu's. The loss's
+    # dY = w + 2Y is nonzero where Y = 0 (the mask matters) and depends on Y (so does its derivative).
+    inputs = [torch.randn(13, 11, device=device), torch.randn(11, 9, device=device), torch.randn(9, device=device)]
+    w = torch.randn(13, 9, device=device)
+    vs = [torch.randn_like(t) for t in inputs]
+
+    def first_and_second(fn):
+        a, b, bias = leaves(*inputs)
+        y = fn(a, b, bias)
+        grads = torch.autograd.grad((y * w + y * y).sum(), (a, b, bias), create_graph=True)
+        assert all(g.requires_grad for g in grads), "first-order gradients without a graph"
+        probe = sum((g * v).sum() for g, v in zip(grads, vs))
+        return [g.detach() for g in grads] + list(torch.autograd.grad(probe, (a, b, bias)))
+
+    assert_matches_torch(first_and_second(fuselab_op), first_and_second(torch_matmul_relu), "grads", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", PATHS)
+def test_hessian_matches_torch(device, path, fuselab_op):
+    a, b, bias = torch.randn(5, 6, device=device), torch.randn(6, 4, device=device), torch.randn(4, device=device)
+    ours = torch.autograd.functional.hessian(lambda a: fuselab_op(a, b, bias).pow(2).sum(), a)
+    ref = torch.autograd.functional.hessian(lambda a: torch_matmul_relu(a, b, bias).pow(2).sum(), a)
+    assert ref.abs().max() > 0
+    assert_matches_torch([ours], [ref], "hessian", device)
+    # Vectorized: the backward runs on batched gradients (torch's legacy vmap), Triton cannot read them.
+    vec = torch.autograd.functional.hessian(lambda b: fuselab_op(a, b, bias).pow(2).sum(), b, vectorize=True)
+    ref = torch.autograd.functional.hessian(lambda b: torch_matmul_relu(a, b, bias).pow(2).sum(), b)
+    assert_matches_torch([vec], [ref], "vectorized hessian", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", PATHS)
+def test_gradient_penalty_step(device, path, fuselab_op):
+    # WGAN-GP: the penalty on |d critic / d x| trains the first layer through its double backward.
+    x = torch.randn(16, 10, device=device)
+    params = [torch.randn(12, 10, device=device), torch.randn(12, device=device), torch.randn(12, 1, device=device)]
+
+    def penalty_grads(fn):
+        w1, b1, w2 = leaves(*params)
+        xs = x.clone().requires_grad_(True)
+        out = fn(xs, w1.t(), b1) @ w2
+        (gx,) = torch.autograd.grad(out.sum(), xs, create_graph=True)
+        penalty = ((gx.norm(dim=1) - 1) ** 2).mean()
+        return torch.autograd.grad(penalty, (w1, b1, w2), materialize_grads=True)
+
+    ours, ref = penalty_grads(fuselab_op), penalty_grads(torch_matmul_relu)
+    assert ref[0].abs().max() > 0
+    assert_matches_torch(ours, ref, "penalty grads", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_transforms_match_torch(device):
+    # torch.func's grad, hessian (forward over reverse), per-sample gradients and vmap.
+    a, b, bias = torch.randn(6, 5, device=device), torch.randn(5, 7, device=device), torch.randn(7, device=device)
+    results = []
+    for fn in (matmul_relu, torch_matmul_relu):
+        def loss(a, b, bias):
+            return fn(a, b, bias).pow(2).sum()
+
+        results.append([
+            *torch.func.grad(loss, argnums=(0, 1, 2))(a, b, bias),
+            torch.func.hessian(loss)(a, b, bias),
+            *torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None, None))(a[:, None], b, bias),
+            torch.func.vmap(fn, in_dims=(0, None, None))(a.view(2, 3, 5), b, bias),
+        ])
+    assert results[1][3].abs().max() > 0
+    assert_matches_torch(*results, "torch.func", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_mode_matches_torch(device):
+    # Tangents as torch computes them, NaN included: torch.func.jvp, jacfwd and forward_ad's duals.
+    import torch.autograd.forward_ad as fwAD
+
+    a, b, bias = torch.randn(9, 6, device=device), torch.randn(6, 5, device=device), torch.randn(5, device=device)
+    a[2, 3] = float("nan")  # row 2 of Y and of its tangent are NaN
+    tangents = [torch.randn_like(t) for t in (a, b, bias)]
+    results = []
+    for fn in (matmul_relu, torch_matmul_relu):
+        y, jvp = torch.func.jvp(fn, (a, b, bias), tuple(tangents))
+        jac = torch.func.jacfwd(fn, argnums=1)(a[3:], b, bias)
+        with fwAD.dual_level():
+            dual = fn(*(fwAD.make_dual(t, dt) for t, dt in zip((a, b, bias), tangents)))
+            dual_tangent = fwAD.unpack_dual(dual).tangent
+        results.append([y, jvp, jac, dual_tangent])
+    assert results[1][1][~results[1][1].isnan()].abs().max() > 0
+    assert_matches_torch(*results, "forward mode", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_mode_refused_where_no_rule(device):
+    # A custom op can have no forward-mode formula: called directly it raises, never a zero tangent.
+    import torch.autograd.forward_ad as fwAD
+
+    a, b = torch.randn(4, 3, device=device), torch.randn(3, 2, device=device)
+    with pytest.raises(NotImplementedError, match="no forward-mode derivative"):
+        torch.func.jvp(lambda a: torch.ops.fuselab.matmul_relu(a, b, None), (a,), (torch.ones_like(a),))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(a, torch.ones_like(a))
+        with pytest.raises(NotImplementedError, match="fuselab.matmul_relu has no forward-mode derivative"):
+            torch.ops.fuselab.matmul_relu(dual, b, None)
+        with pytest.raises(NotImplementedError, match=r"backend='cuda'\) has no forward-mode derivative"):
+            matmul_relu(dual, b, backend="cuda")
+        with pytest.raises(NotImplementedError, match="matmul_relu_grad_a has no forward-mode derivative"):
+            torch.ops.fuselab.matmul_relu_grad_a(dual, None, b.t().contiguous())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_first_order_backward_keeps_the_kernels(device, monkeypatch):
+    # Only a differentiated backward leaves the Triton products; an ordinary one launches them.
+    launches = []
+    gemm = matmul_relu_module._gemm
+    monkeypatch.setattr(matmul_relu_module, "_gemm", lambda *args, **kw: launches.append(1) or gemm(*args, **kw))
+    a = torch.randn(10, 8, device=device, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(8, 6, device=device, dtype=torch.float16, requires_grad=True)
+    for create_graph, backward_launches in [(False, 2), (True, 0)]:
+        y = matmul_relu(a, b)
+        launches.clear()
+        torch.autograd.grad(y, (a, b), torch.randn_like(y), create_graph=create_graph)
+        assert len(launches) == backward_launches, f"create_graph={create_graph}"
+
+
+# ----------------------------------------------------------------------------------------------
 # Registration: opcheck, compile, export
 # ----------------------------------------------------------------------------------------------
 
@@ -164,7 +356,8 @@ def test_deterministic(device):
 def test_opcheck(device, layout):
     a = randn(11, 14, dtype=torch.float32, device=device, layout=layout).requires_grad_(True)
     b = randn(14, 9, dtype=torch.float32, device=device, layout=layout).requires_grad_(True)
-    bias = torch.randn(9, device=device, requires_grad=True)
+    bias = rand_bias(9, torch.float32, device, "column" if layout == "transposed" else "contiguous")
+    bias.requires_grad_(True)
     torch.library.opcheck(torch.ops.fuselab.matmul_relu, (a, b, bias))
     torch.library.opcheck(torch.ops.fuselab.matmul_relu, (a, b, None))
     y = matmul_relu(a, b, bias).detach()
@@ -242,41 +435,6 @@ def test_eager_fast_path_equals_the_op(device):
         assert torch.equal(fast, op)
 
 
-@pytest.mark.gpu
-def test_repeated_calls_relaunch_the_first_calls_kernel(monkeypatch):
-    # From the second eager call of a layout on, _gemm relaunches a plan (launch_planned): on new
-    # data, on a view whose 16-byte alignment differs (its own plan), forward and both products.
-    runtime = importlib.import_module("fuselab.kernels._runtime")
-    relaunched = []
-    call = runtime._LaunchPlan.__call__
-    monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))
-    M, K, N = 97, 72, 88
-    for offset in (0, 0, 0, 1, 1):  # offset 1: the rows start 2 bytes off a 16-byte boundary
-        a = torch.randn(M * K + offset, dtype=torch.bfloat16, device="cuda")[offset:].view(M, K)
-        b = randn(K, N, dtype=torch.bfloat16, device="cuda", layout="transposed")
-        check_forward_backward(a, b, torch.randn(N, dtype=torch.bfloat16, device="cuda"), torch.bfloat16)
-    assert len(relaunched) >= 2 * 3 + 3  # rounds 2, 3 and 5: forward, dA, dB each
-
-
-def test_launch_plan_fixes_all_but_the_tensors():
-    # What launch_planned relaunches: Triton's argument order (positional, keywords, the tuned
-    # config), the grid evaluated once, and no reference to the first call's tensors.
-    import types
-    import weakref
-
-    runtime = importlib.import_module("fuselab.kernels._runtime")
-    fn = types.SimpleNamespace(arg_names=["x_ptr", "y_ptr", "n", "FLAG", "BLOCK"])
-    kernel = types.SimpleNamespace(fn=fn, best_config=triton.Config({"BLOCK": 64}, num_warps=4))
-    x, y = torch.randn(100), torch.randn(100)
-    plan = runtime._LaunchPlan(kernel, object(), lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),),
-                               (x, y, 100), {"FLAG": True}, None)
-    assert plan.values == [None, None, 100, True, 64] and plan.slots == [0, 1]
-    assert plan.grid == (2, 1, 1)
-    x_ref = weakref.ref(x)
-    del x
-    assert x_ref() is None
-
-
 def test_tma_layout_check_runs_on_fake_tensors():
     # _gemm decides the TMA body while torch.compile/export trace it with fake tensors, which have
     # no data pointer: the check must use strides and storage offsets only. (Reading a fake tensor's
@@ -294,17 +452,16 @@ def test_tma_layout_check_runs_on_fake_tensors():
         assert check(base[1:64 * 40 + 1].view(64, 40)) is None  # 2 bytes off a 16-byte boundary
 
 
-def test_plan_key_separates_what_triton_specializes_on():
-    a = torch.randn(40, 33)
-    b, bias = torch.randn(33, 24), torch.randn(24)
-    c = torch.empty(40, 24)
+def test_plan_key_separates_bias_layouts():
+    # A launch plan fixes the bias's stride, an argument of the kernel: each bias layout has its own.
+    # (The rest of what the key separates is tested in test_launch_plans.py.)
+    a, b, c = torch.randn(40, 33), torch.randn(33, 24), torch.empty(40, 24)
     key = matmul_relu_module._plan_key
-    same = key(a, b, c, bias, None, None, True)
-    assert key(torch.randn(40, 33), b, c, bias, None, None, True) == same  # new data, same layout
-    assert key(torch.randn(40 * 33 + 1)[1:].view(40, 33), b, c, bias, None, None, True) != same  # 4 bytes off
-    assert key(a, b.t().contiguous().t(), c, bias, None, None, True) != same  # column-major b
-    assert key(a, b, c, None, None, None, True) != same
-    assert key(a, b, c, bias, None, None, False) != same
+    same = key(a, b, c, torch.randn(24), None, None, True)
+    assert key(a, b, c, torch.randn(24), None, None, True) == same
+    assert key(a, b, c, torch.randn(48)[::2], None, None, True) != same
+    assert key(a, b, c, torch.randn(24, 3)[:, 0], None, None, True) != same
+    assert key(a, b, c, torch.randn(()).expand(24), None, None, True) != same
 
 
 def test_traced_calls_use_the_op():
@@ -344,90 +501,6 @@ def test_bad_input(args, exc, words):
 def test_linear_relu_bad_weight():
     with pytest.raises(ValueError, match=r"weight must be 2-D .*\(5,\)"):
         linear_relu(torch.randn(3, 5), torch.randn(5))
-
-
-# ----------------------------------------------------------------------------------------------
-# Autotuning: persistence and the no-tuning switch
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _scale_kernel(x_ptr, n, SIZE_KEY, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
-
-
-def test_autotune_persists_per_gpu_and_triton(tmp_path, monkeypatch):
-    monkeypatch.setenv("FUSELAB_CACHE_DIR", str(tmp_path))
-    configs = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})]
-    calls = []
-
-    def make():
-        tuner = _autotune.PersistentAutotuner(_scale_kernel, configs, key=["SIZE_KEY"])
-        orig_bench = tuner._bench
-
-        def bench(*args, config, **meta):  # a fake clock: the 32-wide config is "fastest"
-            calls.append(config)  # counting calls shows who benchmarked
-            orig_bench(*args, config=config, **meta)
-            return [1.0 if config.kwargs["BLOCK"] == 32 else 2.0] * 3
-
-        tuner._bench = bench
-        return tuner
-
-    first = make()
-    x = torch.randn(100, device="cuda" if torch.cuda.is_available() else "cpu")
-    first[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, _autotune.bucket(100))
-    assert len(calls) == 3 and first.best_config.kwargs["BLOCK"] == 32
-    files = list(tmp_path.rglob("_scale_kernel.json"))
-    assert files == [_autotune.cache_dir() / "_scale_kernel.json"]  # .../autotune/<gpu name>/triton-<version>/
-    assert files[0].parent.name == f"triton-{triton.__version__}" and files[0].parent.parent.name
-    assert "BLOCK: 32" in next(iter(json.loads(files[0].read_text()).values()))
-
-    second = make()  # a "second process": empty in-memory cache, same disk cache
-    second[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, _autotune.bucket(120))  # same bucket
-    assert len(calls) == 3, "the second tuner benchmarked again instead of reading the disk cache"
-    assert second.best_config.kwargs["BLOCK"] == 32
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_autotune_fast_path_matches_triton_key(device, monkeypatch):
-    # After tuning, launches skip Autotuner.run: its key must be exactly the one Autotuner.run stores.
-    from fuselab.kernels.matmul_relu import matmul_relu_kernel
-    from triton.runtime.autotuner import Autotuner
-
-    a, b = torch.randn(33, 20, device=device), torch.randn(20, 18, device=device)
-    first = matmul_relu(a, b)
-    keys = list(matmul_relu_kernel.cache)
-    monkeypatch.setattr(Autotuner, "run", lambda *args, **kwargs: pytest.fail("slow path taken after tuning"))
-    torch.testing.assert_close(matmul_relu(a, b), first, rtol=0, atol=0)
-    assert list(matmul_relu_kernel.cache) == keys
-
-
-def test_autotune_switch_off_uses_heuristic_where_it_fits(tmp_path, monkeypatch):
-    # FUSELAB_AUTOTUNE=0: nothing is timed or stored; the heuristic runs unless pruning drops it
-    # (an fp32 problem needs twice the shared memory), then the first config that survives.
-    monkeypatch.setattr(_autotune, "AUTOTUNE", False)
-    monkeypatch.setenv("FUSELAB_CACHE_DIR", str(tmp_path))
-    small, heuristic, large = (triton.Config({"BLOCK": b}) for b in (16, 64, 128))
-
-    def prune(configs, named_args, **kwargs):  # pretend 64-wide tiles do not fit odd sizes
-        return [c for c in configs if named_args["n"] % 2 == 0 or c.kwargs["BLOCK"] != 64]
-
-    tuner = _autotune.autotune([small, large, heuristic], key=["SIZE_KEY"], prune=prune,
-                               heuristic=heuristic)(_scale_kernel)
-    assert tuner.configs[0] is heuristic and len(tuner.configs) == 3
-    x = torch.randn(101, device="cuda" if torch.cuda.is_available() else "cpu")
-    want = x * 2
-    tuner[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, 1)
-    assert tuner.best_config is heuristic
-    tuner[lambda m: (triton.cdiv(101, m["BLOCK"]),)](x, 101, 2)
-    assert tuner.best_config is small  # the first survivor, in the given order
-    torch.testing.assert_close(x, torch.cat([want[:100] * 2, want[100:]]))  # both launches ran
-    assert not list(tmp_path.rglob("*.json")), "an untimed choice was stored as a tuned one"
-
-
-def test_bucket():
-    assert [_autotune.bucket(n) for n in (0, 1, 2, 3, 64, 65, 4096, 4097)] == [1, 1, 2, 4, 64, 128, 4096, 8192]
 
 
 def test_package_api():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fuselab.kernels import matmul_relu
-from reference import assert_close, check_forward_backward, dot_bound, randn
+from reference import BIAS_LAYOUTS, assert_close, check_forward_backward, dot_bound, rand_bias, randn
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,28 @@ def test_forward_backward(extension, dtype, precision, a_layout, b_layout):
                      "vs Triton")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bias_layout", BIAS_LAYOUTS)
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_bias_layouts(extension, monkeypatch, dtype, bias_layout, kernel):
+    # Every kernel reads the bias at its strides (a slice, a column, an expanded scalar), K = 0 too.
+    if kernel == "wgmma" and (dtype == torch.float32 or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("the wgmma kernel runs fp16/bf16 on an sm_90 GPU")
+    monkeypatch.setenv("FUSELAB_CUDA_KERNEL", kernel)
+    M, K, N = 300, 520, 264  # K >= 512 and 16-byte aligned rows: wgmma can run
+    bias = rand_bias(N, dtype, "cuda", bias_layout)
+    check_forward_backward(randn(M, K, dtype=dtype, device="cuda"), randn(K, N, dtype=dtype, device="cuda"), bias,
+                           dtype, op=lambda a, b, bias: matmul_relu(a, b, bias, backend="cuda"))
+    k0 = matmul_relu(torch.randn(4, 0, dtype=dtype, device="cuda"), torch.randn(0, N, dtype=dtype, device="cuda"),
+                     bias.detach(), backend="cuda")
+    assert torch.equal(k0, torch.relu(bias.detach()).expand(4, N))
+    if dtype == torch.float32:  # the tutorial's kernel, fp32 only: a @ I is exact, so is its output
+        a = torch.randn(M, K, device="cuda")
+        naive = torch.ops.fuselab.matmul_relu_cuda_naive(a, torch.eye(K, N, device="cuda"), bias.detach())
+        assert torch.equal(naive, torch.relu(a[:, :N] + bias.detach()))
 
 
 @pytest.mark.gpu

@@ -13,11 +13,15 @@ written once and both products take the faster TMA body, dbias summed by PyTorch
 The kernel has two bodies: a tiled pointer body for any strides (and the interpreter), and a
 persistent body that moves tiles with TMA descriptors, eligible when every operand has a
 unit-stride dimension and 16-byte aligned rows. The autotuner times both and keeps the faster.
+
+Derivatives the kernels cannot give run PyTorch's ops: a backward that is itself differentiated
+(``create_graph=True``), and calls under forward-mode AD or ``torch.func`` (see ``matmul_relu``).
 """
 import math
 from typing import Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import triton
 import triton.language as tl
 
@@ -86,6 +90,10 @@ def _prune_configs(configs, named_args, **kwargs):
 # Kernel
 # ----------------------------------------------------------------------------------------------
 
+# The interpreter's bf16 tl.dot returns garbage (~1e10): there the pointer body multiplies bf16
+# tiles in fp32, exactly as a GPU does (a bf16 product fits in fp32, and both accumulate in fp32).
+_INTERPRETED_BF16_DOT_IN_FP32 = tl.constexpr(INTERPRET)
+
 
 @autotune(configs=gemm_configs(), prune=_prune_configs, heuristic=HEURISTIC_CONFIG,
           key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_OK",
@@ -94,7 +102,7 @@ def _prune_configs(configs, named_args, **kwargs):
 def matmul_relu_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, mask_ptr, rowsum_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk, stride_bias,
     M_BUCKET, N_BUCKET, K_BUCKET,  # autotune keys only
     HAS_BIAS: tl.constexpr, RELU: tl.constexpr, MASK_A: tl.constexpr, ROWSUM_A: tl.constexpr,
     A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_OK: tl.constexpr,
@@ -105,14 +113,14 @@ def matmul_relu_kernel(
     """C = act(maskA(A) @ B + bias); optionally rowsum = maskA(A) @ 1. See the module docstring."""
     if TMA:
         _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
-                             stride_bk, stride_bn, stride_cm, HAS_BIAS, RELU, A_ROW_MAJOR,
-                             B_ROW_MAJOR, PRECISION, NUM_SMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                             EPILOGUE_SUBTILE)
+                             stride_bk, stride_bn, stride_cm, stride_bias, HAS_BIAS, RELU,
+                             A_ROW_MAJOR, B_ROW_MAJOR, INT64, PRECISION, NUM_SMS, BLOCK_M, BLOCK_N,
+                             BLOCK_K, GROUP_M, EPILOGUE_SUBTILE)
     else:
         pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, mask_ptr, rowsum_ptr, M, N, K, stride_am,
                    stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk,
-                   pid_m, pid_n, HAS_BIAS, RELU, MASK_A, ROWSUM_A, INT64, PRECISION,
+                   stride_bias, pid_m, pid_n, HAS_BIAS, RELU, MASK_A, ROWSUM_A, INT64, PRECISION,
                    BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -136,9 +144,9 @@ def _tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _bias_relu(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, RELU: tl.constexpr):
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+def _bias_relu(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS: tl.constexpr, RELU: tl.constexpr):
+    if HAS_BIAS:  # any stride: a slice, a column, or 0 for an expanded scalar (Triton specializes 1)
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
         acc = acc + bias[None, :].to(tl.float32)
     if RELU:
         acc = tl.where(acc < 0, 0.0, acc)  # not maximum(): NaN must propagate, as in torch.relu
@@ -147,8 +155,8 @@ def _bias_relu(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, RELU: tl.conste
 
 @triton.jit
 def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr, M, N, K, stride_am, stride_ak,
-               stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk, pid_m, pid_n,
-               HAS_BIAS: tl.constexpr, RELU: tl.constexpr, MASK_A: tl.constexpr,
+               stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk, stride_bias, pid_m,
+               pid_n, HAS_BIAS: tl.constexpr, RELU: tl.constexpr, MASK_A: tl.constexpr,
                ROWSUM_A: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -177,6 +185,10 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr, M, N, K, stride
             y = tl.load(y_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             a = tl.where(y <= 0, tl.zeros_like(a), a)
             y_ptrs += BLOCK_K * stride_yk
+        if _INTERPRETED_BF16_DOT_IN_FP32:
+            if a.dtype == tl.bfloat16:  # exact: a product of two bf16 values fits in fp32
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
         if ROWSUM_A:
             rowsum += tl.sum(a.to(tl.float32), axis=1)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -185,18 +197,18 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr, M, N, K, stride
     if ROWSUM_A:  # one column of programs writes it: deterministic, no atomics
         tl.store(rowsum_ptr + offs_m, rowsum.to(rowsum_ptr.dtype.element_ty),
                  mask=(offs_m < M) & (pid_n == 0))
-    acc = _bias_relu(acc, bias_ptr, offs_n, N, HAS_BIAS, RELU)
+    acc = _bias_relu(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, RELU)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 @triton.jit
 def _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_ak, stride_bk,
-                         stride_bn, stride_cm, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
-                         A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
-                         PRECISION: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                         EPILOGUE_SUBTILE: tl.constexpr):
+                         stride_bn, stride_cm, stride_bias, HAS_BIAS: tl.constexpr,
+                         RELU: tl.constexpr, A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
+                         INT64: tl.constexpr, PRECISION: tl.constexpr, NUM_SMS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr):
     # A column-major operand is described as its transpose and transposed back in shared memory.
     if A_ROW_MAJOR:
         a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
@@ -226,7 +238,10 @@ def _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stri
             else:
                 b = b_desc.load([off_n, off_k]).T
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        acc = _bias_relu(acc, bias_ptr, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, RELU)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        if INT64:  # the bias, read through offsets here, may be a column of a huge matrix
+            offs_n = offs_n.to(tl.int64)
+        acc = _bias_relu(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, RELU)
         c = acc.to(c_ptr.dtype.element_ty)
         if EPILOGUE_SUBTILE:  # two half-width stores halve the epilogue's shared memory
             c0, c1 = c.reshape(BLOCK_M, 2, C_BLOCK_N).permute(0, 2, 1).split()
@@ -275,7 +290,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
     """``c = [relu](where(mask <= 0, 0, a) @ b + bias)`` and ``rowsum = that left operand @ 1``.
 
     All 2-D with any strides (``mask`` shaped like ``a``); ``c`` and ``rowsum`` are written.
-    ``config`` bypasses the autotuner (tests and benchmarks of single configs).
+    ``bias`` is 1-D with any stride (0 too). ``config`` bypasses the autotuner (tests and benchmarks
+    of single configs).
     """
     M, K = a.shape
     N = b.shape[1]
@@ -314,10 +330,11 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
     y_strides = mask.stride() if mask is not None else (0, 0)
     launch(kernel, grid, a, b, c, bias, mask, rowsum, M, N, K,
            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-           y_strides[0], y_strides[1], bucket(M), bucket(N), bucket(K),
+           y_strides[0], y_strides[1], bias.stride(0) if bias is not None else 0,
+           bucket(M), bucket(N), bucket(K),
            HAS_BIAS=bias is not None, RELU=relu, MASK_A=mask is not None,
            ROWSUM_A=rowsum is not None, A_ROW_MAJOR=a.stride(1) == 1,
-           B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=_needs_int64(a, b, c, mask),
+           B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=_needs_int64(a, b, c, mask, bias),
            PRECISION=precision, NUM_SMS=sms, plan_key=plan_key, **meta)
 
 
@@ -377,16 +394,46 @@ def _mask_on_load(grad: torch.Tensor) -> bool:
     return _runs_triton(grad) and not has_tma(grad.device)
 
 
+def _in_dual_level() -> bool:
+    """Forward-mode AD is on: a dual level of ``torch.autograd.forward_ad`` (``torch.func.jvp`` and
+    ``jacfwd`` open one too)."""
+    return forward_ad._current_level >= 0
+
+
+def _beyond_custom_ops() -> bool:
+    """Forward-mode AD or a ``torch.func`` transform (vmap included: batched gradients) is on. A
+    custom op has no forward-mode formula, torch.func differentiates an autograd.Function only with a
+    ``setup_context`` (which torch.library's generated autograd lacks, and ``_EagerMatmulReLU``
+    skips for speed), and Triton cannot read a batched tensor: PyTorch's own ops serve these calls."""
+    return _in_dual_level() or torch._C._are_functorch_transforms_active()
+
+
+def _refuse_forward_ad(op: str) -> None:
+    """Custom ops have no forward-mode formula: under a dual level their outputs would carry no
+    tangent (zeros under ``torch.func.jvp``). ``matmul_relu`` never reaches the ops there."""
+    if forward_ad._current_level >= 0:  # _in_dual_level(), inlined: every eager call passes here
+        raise NotImplementedError(
+            f"torch.ops.fuselab.{op} has no forward-mode derivative (torch.autograd.forward_ad, "
+            "torch.func.jvp/jacfwd): a custom op cannot have one. Call fuselab.kernels.matmul_relu or "
+            "linear_relu instead, which compute forward-mode AD with PyTorch's own ops.")
+
+
+def _torch_forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``relu(addmm(bias, a, b))`` by PyTorch's own ops, with the op's input checks."""
+    _check_inputs(a, b, bias)
+    a2 = _rows(a)
+    return torch.relu(a2 @ b if bias is None else torch.addmm(bias, a2, b)).view(*a.shape[:-1], b.shape[1])
+
+
 def _forward_fake(a, b, bias):
     _check_inputs(a, b, bias)
     return a.new_empty(*a.shape[:-1], b.shape[1])
 
 
 def _forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    _refuse_forward_ad("matmul_relu")
     if not _runs_triton(a):
-        _check_inputs(a, b, bias)
-        a2 = _rows(a)
-        return torch.relu(a2 @ b if bias is None else torch.addmm(bias, a2, b)).view(*a.shape[:-1], b.shape[1])
+        return _torch_forward(a, b, bias)
     y = _forward_fake(a, b, bias)
     _gemm(_rows(a), b, _rows(y), bias=bias, relu=True)
     return y
@@ -398,6 +445,7 @@ def _grad_a_fake(grad, y, b):
 
 def _grad_a(grad: torch.Tensor, y: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
     """dA = G @ b^T with G = where(y <= 0, 0, grad) (``y`` None: ``grad`` is G), shaped like A."""
+    _refuse_forward_ad("matmul_relu_grad_a")
     g2 = _rows(grad)
     y2 = None if y is None else _rows(y)
     if not _runs_triton(grad):
@@ -414,6 +462,7 @@ def _grad_b_fake(grad, y, a, b):
 def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
             b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dB, dbias) = (a^T @ G, G^T @ 1) with G as in ``_grad_a``; dB laid out like b."""
+    _refuse_forward_ad("matmul_relu_grad_b")
     grad_b, grad_bias = _grad_b_fake(grad, y, a, b)
     g2, a2 = _rows(grad), _rows(a)
     y2 = None if y is None else _rows(y)
@@ -435,10 +484,29 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
+def _backward_by_torch(grad, a, b, y, need_a: bool, need_b: bool, need_bias: bool):
+    """The backward from PyTorch's differentiable ops, with torch.relu's own mask: its results have
+    a graph, so their derivatives (double backward, Hessians, gradient penalties) are PyTorch's."""
+    g = _relu_grad(grad, y)
+    g2 = _rows(g)
+    return (g @ b.t() if need_a else None, _rows(a).t() @ g2 if need_b else None,
+            g2.sum(0) if need_bias else None)
+
+
+def _backward_by_torch_needed(grad: torch.Tensor) -> bool:
+    """The backward's result is differentiated (``create_graph=True``), carries tangents, or is
+    batched (``vmap``; ``is_grads_batched`` and vectorized jacobians use torch's legacy vmap), all
+    of which only PyTorch's ops serve; else the Triton products run."""
+    return (torch.is_grad_enabled() or _beyond_custom_ops()
+            or torch._C._functorch.is_legacy_batchedtensor(grad))
+
+
 def _backward_using(grad_a_fn, grad_b_fn):
     def backward(ctx, grad):
         a, b, y = ctx.saved_tensors
         need_a, need_b, need_bias = ctx.needs_input_grad
+        if _backward_by_torch_needed(grad):
+            return _backward_by_torch(grad, a, b, y, need_a, need_b, need_bias and ctx.has_bias)
         grad_a = grad_b = grad_bias = None
         if not _mask_on_load(grad):  # G written once, shared by both products
             grad, y = _relu_grad(grad, y), None
@@ -464,7 +532,8 @@ class _EagerMatmulReLU(torch.autograd.Function):
     In eager mode the custom-op dispatch and its autograd wrapper cost more host time than a
     small GEMM takes on the GPU; when nothing traces or transforms the call (``untraced``) the
     same kernels run through this Function instead. Traced calls keep the op, so
-    ``torch.compile`` and ``torch.export`` see ``torch.ops.fuselab.matmul_relu``.
+    ``torch.compile`` and ``torch.export`` see ``torch.ops.fuselab.matmul_relu``. Both share one
+    backward: Triton's products, or with ``create_graph=True`` PyTorch's (``_backward_by_torch``).
     """
 
     @staticmethod
@@ -496,15 +565,33 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
     SGEMM and a ReLU instead: see ``_runs_triton``). NaN propagates, the
     gradient at an output of exactly 0 is 0. Raises ValueError/TypeError naming the bad shapes,
     dtypes or devices. ``backend="cuda"`` runs the CUDA C++ reference instead (built on first use).
+
+    Higher-order and forward-mode gradients: a first-order backward runs fuselab's kernels; a
+    backward that is itself differentiated (``create_graph=True``: double backward, Hessians and
+    Hessian-vector products, gradient penalties) is built from PyTorch's differentiable ops with
+    ``torch.relu``'s own mask, on this function and on ``torch.ops.fuselab.matmul_relu`` alike, so
+    every higher derivative is PyTorch's. Under forward-mode AD (``torch.autograd.forward_ad``,
+    ``torch.func.jvp``, ``jacfwd``) and ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``,
+    ``hessian``, ``vmap``) this function computes ``relu(addmm(bias, a, b))`` with PyTorch's ops, so
+    tangents (NaN included) and transformed results are PyTorch's. A custom op can have neither a
+    forward-mode formula nor torch.func's autograd: ``torch.ops.fuselab.matmul_relu`` and its
+    backward ops called directly raise NotImplementedError under forward-mode AD (never a zero
+    tangent) and torch's own error under ``torch.func.grad``; ``backend="cuda"`` refuses
+    forward-mode AD.
     """
     if backend == "cuda":
+        if _in_dual_level():
+            raise NotImplementedError("matmul_relu(backend='cuda') has no forward-mode derivative "
+                                      "(torch.autograd.forward_ad, torch.func.jvp/jacfwd): use backend='triton'")
         from fuselab.kernels.matmul_relu_cuda import matmul_relu_cuda
 
         return matmul_relu_cuda(a, b, bias)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
-    if uses_triton(a) and untraced(a, b, bias):
+    if uses_triton(a) and untraced(a, b, bias) and not _beyond_custom_ops():
         return _EagerMatmulReLU.apply(a, b, bias)
+    if not torch.compiler.is_compiling() and _beyond_custom_ops():
+        return _torch_forward(a, b, bias)  # PyTorch's ops: every transform and tangent rule is theirs
     return torch.ops.fuselab.matmul_relu(a, b, bias)
 
 

@@ -858,6 +858,7 @@ at::Tensor matmul_relu_cuda(const at::Tensor& a_in, const at::Tensor& b_in, cons
   at::Tensor b = b_in;
   bool b_col = b.stride(0) == 1 && N > 1;             // weight.t(): K contiguous
   if (!b_col && b.stride(1) != 1 && N > 1) b = b.contiguous();
+  // The kernels read bias[col]: a strided, column or expanded (stride 0) bias is copied (N elements).
   const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
   const at::Tensor* biasp = bias ? &bias_c : nullptr;
   switch (a.scalar_type()) {

@@ -220,12 +220,24 @@ def leaves(*tensors):
     return [t.detach().clone().requires_grad_(True) for t in tensors]
 
 
+def away_from_the_kink(a, b, bias, margin=0.05):
+    """``(a, b, bias)`` redrawn until no pre-activation is within ``margin`` of 0: on a GPU the fused
+    forward (tf32) and torch's may round a pre-activation near 0 to opposite sides, and the two ReLU
+    masks then differ by a whole term, a true difference of the inputs, not of the gradients."""
+    for _ in range(1000):
+        if (a.double() @ b.double() + bias.double()).abs().min() > margin:
+            return a, b, bias
+        a, b, bias = torch.randn_like(a), torch.randn_like(b), torch.randn_like(bias)
+    raise AssertionError("could not draw inputs away from the ReLU's kink")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", PATHS)
 def test_double_backward_matches_torch(device, path, fuselab_op):
     # create_graph=True: the gradients have a graph, and its gradients are torch.relu's. The loss's
     # dY = w + 2Y is nonzero where Y = 0 (the mask matters) and depends on Y (so does its derivative).
-    inputs = [torch.randn(13, 11, device=device), torch.randn(11, 9, device=device), torch.randn(9, device=device)]
+    inputs = away_from_the_kink(torch.randn(13, 11, device=device), torch.randn(11, 9, device=device),
+                                torch.randn(9, device=device))
     w = torch.randn(13, 9, device=device)
     vs = [torch.randn_like(t) for t in inputs]
 
@@ -243,7 +255,8 @@ def test_double_backward_matches_torch(device, path, fuselab_op):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", PATHS)
 def test_hessian_matches_torch(device, path, fuselab_op):
-    a, b, bias = torch.randn(5, 6, device=device), torch.randn(6, 4, device=device), torch.randn(4, device=device)
+    a, b, bias = away_from_the_kink(torch.randn(5, 6, device=device), torch.randn(6, 4, device=device),
+                                    torch.randn(4, device=device))
     ours = torch.autograd.functional.hessian(lambda a: fuselab_op(a, b, bias).pow(2).sum(), a)
     ref = torch.autograd.functional.hessian(lambda a: torch_matmul_relu(a, b, bias).pow(2).sum(), a)
     assert ref.abs().max() > 0
@@ -258,8 +271,9 @@ def test_hessian_matches_torch(device, path, fuselab_op):
 @pytest.mark.parametrize("path", PATHS)
 def test_gradient_penalty_step(device, path, fuselab_op):
     # WGAN-GP: the penalty on |d critic / d x| trains the first layer through its double backward.
-    x = torch.randn(16, 10, device=device)
-    params = [torch.randn(12, 10, device=device), torch.randn(12, device=device), torch.randn(12, 1, device=device)]
+    x, w1_t, b1 = away_from_the_kink(torch.randn(16, 10, device=device), torch.randn(10, 12, device=device),
+                                     torch.randn(12, device=device))
+    params = [w1_t.t(), b1, torch.randn(12, 1, device=device)]
 
     def penalty_grads(fn):
         w1, b1, w2 = leaves(*params)

@@ -6,19 +6,48 @@ tests) ``wrap_triton`` cannot be traced, so the same body is registered as a pla
 ``torch.library.custom_op`` with an explicit fake, and the kernels run in the interpreter.
 """
 import contextlib
+import enum
 import functools
-import os
-from pathlib import Path
+import inspect
+import warnings
 from typing import Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
-# Read once: triton reads the same variable when it is imported.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from fuselab import settings
+
+# Fixed for the process: Triton decides interpreted or compiled when fuselab's kernels are defined.
+INTERPRET = settings.TRITON_INTERPRET.get()
+
+
+class ExecutionPath(enum.Enum):
+    """What computes an op on a tensor (``execution_path``); each value says why."""
+
+    TRITON = "fuselab's Triton kernels (CUDA, or any device under TRITON_INTERPRET=1)"
+    TORCH_ON_CPU = "PyTorch's kernels: a CPU tensor, and Triton is not interpreting"
+    TORCH_EXACT_FP32 = ("PyTorch's kernels: fp32 on CUDA at torch's default matmul precision "
+                        "(\"highest\"), where cuBLAS's SGEMM beats Triton's exact-fp32 dot")
+    TORCH_FLOAT64 = "PyTorch's kernels: float64, which fuselab's Triton kernels do not compute in (fp32 math)"
+
+
+def execution_path(t: torch.Tensor, *, exact_fp32_on_cuda_uses_torch: bool = False) -> ExecutionPath:
+    """What runs an op on ``t``: fuselab's Triton kernels, or PyTorch's (and why).
+
+    ``exact_fp32_on_cuda_uses_torch``: the op is a matmul, whose exact-fp32 form cuBLAS does better
+    than Triton; elementwise ops leave it False."""
+    if not (t.is_cuda or INTERPRET):
+        return ExecutionPath.TORCH_ON_CPU
+    if t.dtype == torch.float64:
+        return ExecutionPath.TORCH_FLOAT64
+    if (exact_fp32_on_cuda_uses_torch and t.is_cuda and t.dtype == torch.float32
+            and torch.get_float32_matmul_precision() == "highest"):
+        return ExecutionPath.TORCH_EXACT_FP32
+    return ExecutionPath.TRITON
 
 
 def uses_triton(t: torch.Tensor) -> bool:
-    """Whether an op on ``t`` runs Triton kernels (CUDA, or any tensor under the interpreter)."""
+    """Whether ``t`` is where Triton kernels can run (CUDA, or any tensor under the interpreter).
+    Being replaced by ``execution_path(t) is not ExecutionPath.TORCH_ON_CPU``."""
     return t.is_cuda or INTERPRET
 
 
@@ -54,11 +83,6 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
                for t in tensors)
 
 
-def cache_root() -> Path:
-    """Where fuselab keeps autotune choices and built extensions: ``$FUSELAB_CACHE_DIR`` or ~/.cache/fuselab."""
-    return Path(os.environ.get("FUSELAB_CACHE_DIR", Path.home() / ".cache" / "fuselab"))
-
-
 def _scratch_allocator(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
     """Global scratch for kernels that build TMA descriptors on the device (a few hundred bytes)."""
     return torch.empty(size, device="cuda", dtype=torch.int8)
@@ -88,31 +112,93 @@ def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, **kwargs) -
     with _on_device(device.index):
         compiled = kernel[grid](*args, **kwargs)
     if plan_key is not None and not tracing and compiled is not None:
-        if len(_PLANS) >= _MAX_PLANS:  # dynamic shapes: keep the cache bounded
-            _PLANS.clear()
-        _PLANS[plan_key] = _LaunchPlan(kernel, compiled, grid, args, kwargs, device.index)
+        _remember_plan(plan_key, kernel, compiled, grid, args, kwargs, device.index)
 
 
 def launch_planned(plan_key: Hashable, *tensors: torch.Tensor) -> bool:
     """Relaunch the kernel that ``launch(..., plan_key=plan_key)`` ran, on new tensors; False
-    (nothing launched) if there is no such launch yet. Eager only: call it when not ``is_tracing()``.
+    (nothing launched) if there is no such launch yet, or planned launches are off (see
+    ``_launcher_mismatch``). Eager only: call it when not ``is_tracing()``.
 
     Eager training calls the same GEMMs over and over, and Triton's per-call work (binding and
-    specializing ~30 arguments, the autotuner's key) plus ours cost ~55 us of host time a launch,
-    more than a mid-sized GEMM takes on an H200. A plan keeps the compiled kernel, its grid and
-    every non-tensor argument. The caller's contract: ``plan_key`` determines every non-tensor
-    argument and each tensor argument's dtype, shape, strides and 16-byte alignment (what Triton
-    specializes on); ``tensors`` are the launch's tensor arguments in order, Nones left out.
+    specializing ~30 arguments, the autotuner's key) plus ours cost more host time than a
+    mid-sized GEMM takes on a GPU. A plan keeps the compiled kernel, its grid and every non-tensor
+    argument. The caller's contract: ``plan_key`` determines every non-tensor argument and each
+    tensor argument's dtype, shape, strides and 16-byte alignment (what Triton specializes on);
+    ``tensors`` are the launch's tensor arguments in order, Nones left out.
     """
     plan = _PLANS.get(plan_key)
     if plan is None:
         return False
-    plan(tensors)
-    return True
+    return plan(tensors)
 
+
+# A plan calls the compiled kernel's launcher as JITFunction.run does, a private Triton interface.
+# It is checked against the installed Triton once (``_launcher_mismatch``); these versions ran the
+# GPU tests through it (pyproject.toml's [tool.fuselab] repeats them).
+LAUNCH_PLANS_TESTED_ON_TRITON = ("3.6",)
+
+# The launcher call in JITFunction.run, whitespace removed, that ``_LaunchPlan.__call__`` repeats.
+_NORMAL_LAUNCH_CALL = ("kernel.run(grid_0,grid_1,grid_2,stream,kernel.function,kernel.packed_metadata,"
+                       "launch_metadata,knobs.runtime.launch_enter_hook,knobs.runtime.launch_exit_hook,"
+                       "*bound_args.values())")
+_LAUNCHER_ATTRIBUTES = ("run", "function", "packed_metadata", "launch_metadata")
 
 _PLANS: Dict[Hashable, "_LaunchPlan"] = {}
 _MAX_PLANS = 4096
+_plans_on: Optional[bool] = None  # None until the first plan checks the launcher
+_plan_launched = False  # whether a planned launch has gone through the launcher yet
+
+
+def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, device: Optional[int]) -> None:
+    """Keep the launch just made (``compiled``, from ``kernel[grid](*args, **kwargs)``) for
+    ``launch_planned``; the first call checks Triton's launcher and may turn planned launches off."""
+    global _plans_on
+    if _plans_on is None:
+        why = _launcher_mismatch(compiled)
+        _plans_on = why is None
+        if why is not None:
+            _warn_plans_off(why)
+    if not _plans_on:
+        return
+    if len(_PLANS) >= _MAX_PLANS:  # dynamic shapes: keep the cache bounded
+        _PLANS.clear()
+    _PLANS[plan_key] = _LaunchPlan(kernel, compiled, grid, args, kwargs, device)
+
+
+def _launcher_mismatch(compiled) -> Optional[str]:
+    """Why Triton's launcher is not the one ``_LaunchPlan`` calls (None: it is): a compiled kernel
+    without the attributes, or a ``JITFunction.run`` that calls the launcher differently."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    missing = [name for name in _LAUNCHER_ATTRIBUTES if not hasattr(compiled, name)]
+    missing += [name for name in ("launch_enter_hook", "launch_exit_hook") if not hasattr(runtime_knobs, name)]
+    if missing:
+        return f"the compiled kernel or triton.knobs.runtime has no {', '.join(missing)}"
+    try:
+        source = inspect.getsource(JITFunction.run)
+    except (OSError, TypeError) as e:
+        return f"the source of JITFunction.run cannot be read ({e})"
+    if _NORMAL_LAUNCH_CALL not in "".join(source.split()):
+        return "JITFunction.run calls the compiled kernel's launcher differently"
+    return None
+
+
+def _warn_plans_off(why: str) -> None:
+    import triton
+
+    tested = ", ".join(LAUNCH_PLANS_TESTED_ON_TRITON)
+    warnings.warn(f"fuselab: planned kernel launches are off with triton {triton.__version__} ({why}); "
+                  f"every launch takes Triton's normal path, which costs more host time. Launch plans "
+                  f"were tested on triton {tested}.", RuntimeWarning, stacklevel=3)
+
+
+def _current_stream() -> int:
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(driver.active.get_current_device())
 
 
 class _LaunchPlan:
@@ -130,19 +216,31 @@ class _LaunchPlan:
             self.values[i] = None
         self.compiled, self.device = compiled, device
 
-    def __call__(self, tensors) -> None:
+    def __call__(self, tensors) -> bool:
+        """Launch on ``tensors``; False (nothing launched, planned launches turned off) if this first
+        planned launch finds that Triton's launcher takes other arguments."""
+        global _plans_on, _plan_launched
         import triton
-        from triton.runtime import driver
 
         values = list(self.values)
         for i, t in zip(self.slots, tensors):
             values[i] = t
         with _on_device(self.device):
             triton.set_allocator(_scratch_allocator)  # per thread: the backward runs on autograd's
-            stream = driver.active.get_current_stream(driver.active.get_current_device())
+            stream = _current_stream()
             k, grid, hooks = self.compiled, self.grid, triton.knobs.runtime
-            k.run(*grid, stream, k.function, k.packed_metadata, k.launch_metadata(grid, stream, *values),
-                  hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+            try:
+                k.run(*grid, stream, k.function, k.packed_metadata, k.launch_metadata(grid, stream, *values),
+                      hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+            except TypeError as e:
+                if _plan_launched:  # the launcher took these arguments before: a real error
+                    raise
+                _plans_on = False  # it checks its arguments before it launches anything
+                _PLANS.clear()
+                _warn_plans_off(f"its launcher rejected a planned launch's arguments: {e}")
+                return False
+        _plan_launched = True
+        return True
 
 
 def _on_device(index: Optional[int]):

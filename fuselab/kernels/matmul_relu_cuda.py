@@ -9,12 +9,13 @@ Triton backward kernels. ``python -m fuselab.kernels.build`` builds ahead of tim
 """
 import functools
 import os
+import shutil
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 
-from fuselab.kernels._runtime import cache_root
+from fuselab import settings
 from fuselab.kernels.matmul_relu import _backward, _forward_fake, _setup_context
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "matmul_relu.cu"
@@ -32,11 +33,32 @@ def _arch_flags():
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
-def _cuda_home():
-    # torch guesses the toolkit from `which nvcc`; a wrapper script outside the toolkit misleads it.
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home is None and Path("/usr/local/cuda/bin/nvcc").exists():
-        home = "/usr/local/cuda"
+# Preferred to the nvcc on PATH, which may be a wrapper script outside the toolkit.
+DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
+
+
+def cuda_toolkit() -> Path:
+    """The CUDA toolkit to build with: ``$CUDA_HOME`` (or ``$CUDA_PATH``), else /usr/local/cuda,
+    else the one around the ``nvcc`` on PATH. RuntimeError, before anything is built, where it
+    has no ``bin/nvcc`` (torch would fail later with a ninja log)."""
+    needs = "building fuselab's CUDA reference needs nvcc (the Triton kernels need neither)"
+    named = next((var for var in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(var)), None)
+    if named:
+        home = Path(os.environ[named])
+        where = f"{named}={home}"
+    elif (DEFAULT_CUDA_HOME / "bin" / "nvcc").is_file():
+        home, where = DEFAULT_CUDA_HOME, str(DEFAULT_CUDA_HOME)
+    else:
+        on_path = shutil.which("nvcc")
+        if on_path is None:
+            raise RuntimeError(f"{needs}: there is none on PATH, no {DEFAULT_CUDA_HOME}/bin/nvcc, and "
+                               f"CUDA_HOME is not set; set CUDA_HOME to a CUDA toolkit")
+        home = Path(on_path).parent.parent
+        where = f"nvcc on PATH ({on_path})"
+    nvcc = Path(os.environ.get("PYTORCH_NVCC") or home / "bin" / "nvcc")  # torch's own override
+    if not nvcc.is_file():
+        raise RuntimeError(f"{needs}: {nvcc} does not exist (toolkit from {where}); set CUDA_HOME "
+                           f"to a CUDA toolkit")
     return home
 
 
@@ -48,19 +70,14 @@ def build_extension(tile: Optional[Dict[str, int]] = None, verbose: bool = False
     variant in its own process, since every variant registers the same op names.
     RuntimeError says what is missing.
     """
-    home = _cuda_home()
-    if home:
-        os.environ["CUDA_HOME"] = home
+    home = str(cuda_toolkit())
+    os.environ["CUDA_HOME"] = home  # torch.utils.cpp_extension reads it at its import
     from torch.utils import cpp_extension
 
-    if home:
-        cpp_extension.CUDA_HOME = home  # read at its import, which may have happened earlier
-    if cpp_extension.CUDA_HOME is None:
-        raise RuntimeError("building fuselab's CUDA reference needs nvcc: set CUDA_HOME to a CUDA toolkit "
-                           "(the Triton kernels need neither)")
+    cpp_extension.CUDA_HOME = home  # read at its import, which may have happened earlier
     tile = tile or {}
     name = "fuselab_cuda" + "".join(f"_{k.lower()}{v}" for k, v in sorted(tile.items()))
-    build_dir = cache_root() / "torch_extensions" / f"torch-{torch.__version__}" / name
+    build_dir = settings.CACHE_DIR.get() / "torch_extensions" / f"torch-{torch.__version__}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     defines = [f"-DFUSELAB_{k}={v}" for k, v in sorted(tile.items())]
     cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
@@ -83,11 +100,13 @@ def _register_python_parts():
 
 def matmul_relu_cuda(a, b, bias=None, naive: bool = False):
     """``relu(a @ b + bias)`` by the CUDA C++ kernels (``naive``: the tutorial's fp32 kernel)."""
+    not_cuda = [f"{name} on {t.device}" for name, t in (("a", a), ("b", b), ("bias", bias))
+                if t is not None and not t.is_cuda]
+    if not_cuda:  # before the build: a CPU tensor must not start minutes of compiling
+        raise RuntimeError(f"the CUDA reference needs CUDA tensors, got {', '.join(not_cuda)}")
     # Dynamo cannot trace the build (os.environ, files): a compiled graph relies on an earlier eager
     # call or load_extension() having registered the op.
     if not torch.compiler.is_compiling():
         load_extension()
-    if not a.is_cuda:
-        raise RuntimeError(f"the CUDA reference needs CUDA tensors, got a on {a.device}")
     op = torch.ops.fuselab.matmul_relu_cuda_naive if naive else torch.ops.fuselab.matmul_relu_cuda
     return op(a, b, bias)

@@ -1,0 +1,246 @@
+"""fuselab.kernels._autotune: choices persist on disk, never go stale, and nothing is read at import.
+
+On a CPU the kernels run in the Triton interpreter (conftest), where the tuner's clock is a
+constant: tests that need a winner install a fake clock that also counts the configs timed.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from reference import DEVICES
+
+from fuselab import settings
+from fuselab.kernels import _autotune, matmul_relu
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIGS = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})]
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """The environment, restored after the test together with the settings read from it (a test
+    that changes a variable calls ``settings.reload()``)."""
+    yield monkeypatch
+    monkeypatch.undo()
+    settings.reload()
+
+
+@pytest.fixture
+def cache_dir(tmp_path, env):
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "cache"))
+    settings.reload()
+    return tmp_path / "cache"
+
+
+@triton.jit
+def _scale_kernel(x_ptr, n, SIZE_KEY, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def _timed_tuner(kernel, timed, configs=CONFIGS):
+    """A tuner whose fake clock makes the 32-wide config fastest and appends each timed config
+    to ``timed``."""
+    tuner = _autotune.PersistentAutotuner(kernel, configs, key=["SIZE_KEY"])
+    run_config = tuner._bench
+
+    def bench(*args, config, **meta):
+        timed.append(config)
+        run_config(*args, config=config, **meta)
+        return [1.0 if config.kwargs["BLOCK"] == 32 else 2.0] * 3
+
+    tuner._bench = bench
+    return tuner
+
+
+def _launch(tuner, n=100):
+    tuner[lambda m: (triton.cdiv(n, m["BLOCK"]),)](torch.randn(n, device=DEVICE), n, _autotune.bucket(n))
+
+
+def test_autotune_persists_per_gpu_and_triton(cache_dir):
+    timed = []
+    first = _timed_tuner(_scale_kernel, timed)
+    _launch(first, 100)
+    assert len(timed) == 3 and first.best_config.kwargs["BLOCK"] == 32
+    files = list(cache_dir.rglob("*.json"))
+    assert files == [first.cache_file()] == [_autotune.cache_dir() / f"_scale_kernel-{first.fingerprint}.json"]
+    assert files[0].parent.name == f"triton-{triton.__version__}" and files[0].parent.parent.name
+    assert "BLOCK: 32" in next(iter(json.loads(files[0].read_text()).values()))
+
+    second = _timed_tuner(_scale_kernel, timed)  # a "second process": empty in-memory cache, same disk cache
+    _launch(second, 120)  # the same bucket
+    assert len(timed) == 3, "the second tuner benchmarked again instead of reading the disk cache"
+    assert second.best_config.kwargs["BLOCK"] == 32
+
+
+# A kernel in its own module file, so that tests can edit it: each variant is imported from its own
+# directory under the same module name, as an edited file would be in the next process.
+EDITABLE_KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _times(x, FACTOR: tl.constexpr):
+    return x * FACTOR
+
+
+@triton.jit
+def edited_kernel(x_ptr, n, SIZE_KEY, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(x_ptr + offs, _times(x, 2) + 0, mask=offs < n)
+'''
+
+
+def _import_kernel(directory: Path, source: str):
+    directory.mkdir(parents=True)
+    path = directory / "edited_kernels.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("edited_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.edited_kernel
+
+
+def test_editing_a_kernel_retunes(tmp_path, cache_dir):
+    variants = {
+        "original": EDITABLE_KERNEL,
+        "kernel edited": EDITABLE_KERNEL.replace("_times(x, 2) + 0", "_times(x, 2) + 1"),
+        "helper edited": EDITABLE_KERNEL.replace("return x * FACTOR", "return FACTOR * x"),
+    }
+    fingerprints = set()
+    for i, (what, source) in enumerate(variants.items()):
+        timed = []
+        tuner = _timed_tuner(_import_kernel(tmp_path / str(i), source), timed)
+        _launch(tuner)
+        assert len(timed) == 3, f"{what}: the stored choice of another version was reused"
+        fingerprints.add(tuner.fingerprint)
+    assert len(fingerprints) == 3
+
+    timed = []  # the original again: its own choice is still on disk
+    _launch(_timed_tuner(_import_kernel(tmp_path / "again", EDITABLE_KERNEL), timed))
+    assert timed == []
+
+    timed = []  # another config list is another choice
+    _launch(_timed_tuner(_import_kernel(tmp_path / "configs", EDITABLE_KERNEL), timed, CONFIGS[:2]))
+    assert len(timed) == 2
+
+
+SECOND_PROCESS = '''
+import os, sys
+import fuselab  # first: the cache directory below is set after the import
+os.environ["FUSELAB_CACHE_DIR"] = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+import torch, triton
+import edited_kernels
+from fuselab.kernels._autotune import PersistentAutotuner
+configs = [triton.Config({"BLOCK": b}) for b in (16, 32, 64)]
+tuner = PersistentAutotuner(edited_kernels.edited_kernel, configs, key=["SIZE_KEY"])
+run_config, timed = tuner._bench, []
+def bench(*args, config, **meta):
+    timed.append(config)
+    run_config(*args, config=config, **meta)
+    return [1.0 if config.kwargs["BLOCK"] == 32 else 2.0] * 3
+tuner._bench = bench
+x = torch.randn(100, device="cuda" if torch.cuda.is_available() else "cpu")
+tuner[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, 128)
+print(len(timed), tuner.best_config.kwargs["BLOCK"], tuner.cache_file())
+'''
+
+
+def test_second_process_reads_the_disk_cache(tmp_path):
+    # Also: FUSELAB_CACHE_DIR set after `import fuselab` is the one used.
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "edited_kernels.py").write_text(EDITABLE_KERNEL)
+    cache, at_import = tmp_path / "cache", tmp_path / "at-import"
+    env = dict(os.environ, FUSELAB_CACHE_DIR=str(at_import))
+    runs = [subprocess.run([sys.executable, "-c", SECOND_PROCESS, str(cache), str(kernels)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    (timed_first, best_first, file_first), (timed_second, best_second, file_second) = (
+        run.stdout.split() for run in runs)
+    assert (timed_first, timed_second) == ("3", "0"), "the second process did not reuse the first one's choice"
+    assert best_first == best_second == "32" and file_first == file_second
+    assert Path(file_first).is_relative_to(cache) and Path(file_first).is_file()
+    assert not at_import.exists()
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '"text"', "3", "{not json"])
+def test_corrupt_cache_warns_once_and_is_rewritten(cache_dir, content):
+    timed = []
+    tuner = _timed_tuner(_scale_kernel, timed)
+    path = tuner.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with pytest.warns(RuntimeWarning, match="autotune cache") as caught:
+        _launch(tuner, 100)
+        _launch(tuner, 300)  # a second new key reads the file again: no second warning
+    assert len(timed) == 6 and tuner.best_config.kwargs["BLOCK"] == 32
+    about_cache = [str(w.message) for w in caught if "autotune cache" in str(w.message)]
+    assert len(about_cache) == 1 and str(path) in about_cache[0], about_cache
+    stored = json.loads(path.read_text())
+    assert isinstance(stored, dict) and len(stored) == 2
+
+
+def test_stored_entry_that_is_not_a_config_retunes(cache_dir):
+    timed = []
+    tuner = _timed_tuner(_scale_kernel, timed)
+    _launch(tuner, 100)
+    path = tuner.cache_file()
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({entry: ["BLOCK: 32"] for entry in stored}))
+    _launch(_timed_tuner(_scale_kernel, timed), 100)
+    assert len(timed) == 6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autotune_fast_path_matches_triton_key(device, monkeypatch):
+    # After tuning, launches skip Autotuner.run: its key must be exactly the one Autotuner.run stores.
+    from triton.runtime.autotuner import Autotuner
+
+    from fuselab.kernels.matmul_relu import matmul_relu_kernel
+
+    a, b = torch.randn(33, 20, device=device), torch.randn(20, 18, device=device)
+    first = matmul_relu(a, b)
+    keys = list(matmul_relu_kernel.cache)
+    monkeypatch.setattr(Autotuner, "run", lambda *args, **kwargs: pytest.fail("slow path taken after tuning"))
+    torch.testing.assert_close(matmul_relu(a, b), first, rtol=0, atol=0)
+    assert list(matmul_relu_kernel.cache) == keys
+
+
+def test_autotune_switch_off_uses_heuristic_where_it_fits(cache_dir, env):
+    # FUSELAB_AUTOTUNE=0: nothing is timed or stored; the heuristic runs unless pruning drops it
+    # (an fp32 problem needs twice the shared memory), then the first config that survives. The
+    # switch is read at the kernel's first launch, not when it was defined.
+    small, heuristic, large = (triton.Config({"BLOCK": b}) for b in (16, 64, 128))
+
+    def prune(configs, named_args, **kwargs):  # pretend 64-wide tiles do not fit odd sizes
+        return [c for c in configs if named_args["n"] % 2 == 0 or c.kwargs["BLOCK"] != 64]
+
+    tuner = _autotune.autotune([small, large, heuristic], key=["SIZE_KEY"], prune=prune,
+                               heuristic=heuristic)(_scale_kernel)
+    env.setenv("FUSELAB_AUTOTUNE", "0")
+    settings.reload()
+    x = torch.randn(101, device=DEVICE)
+    want = x * 2
+    tuner[lambda m: (triton.cdiv(100, m["BLOCK"]),)](x, 100, 1)
+    assert tuner.best_config is heuristic and tuner.configs[0] is heuristic and len(tuner.configs) == 3
+    tuner[lambda m: (triton.cdiv(101, m["BLOCK"]),)](x, 101, 2)
+    assert tuner.best_config is small  # the first survivor, in the given order
+    torch.testing.assert_close(x, torch.cat([want[:100] * 2, want[100:]]))  # both launches ran
+    assert not list(cache_dir.rglob("*.json")), "an untimed choice was stored as a tuned one"
+
+
+def test_bucket():
+    assert [_autotune.bucket(n) for n in (0, 1, 2, 3, 64, 65, 4096, 4097)] == [1, 1, 2, 4, 64, 128, 4096, 8192]

@@ -1,0 +1,182 @@
+"""Launch plans (fuselab.kernels._runtime): repeated eager launches that skip Triton's per-call work.
+
+Plans run on CUDA only, not in the interpreter; on a CPU the plan and its check of Triton's private
+launcher are tested with a stand-in for the compiled kernel.
+"""
+import importlib
+import sys
+import types
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from reference import check_forward_backward, randn
+
+runtime = importlib.import_module("fuselab.kernels._runtime")
+matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu")  # the package re-exports the function
+
+ARG_NAMES = ["x_ptr", "y_ptr", "n", "FLAG", "BLOCK"]
+
+
+class FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records what its launcher is called with."""
+
+    function, packed_metadata = "function handle", "packed metadata"
+
+    def __init__(self, error=None):
+        self.calls, self.error = [], error
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("launch metadata", grid, stream)
+
+    def run(self, *args):
+        if self.error is not None:
+            raise self.error
+        self.calls.append(args)
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """No plan, the launcher not yet checked, and a stream without a GPU."""
+    monkeypatch.setattr(runtime, "_PLANS", {})
+    monkeypatch.setattr(runtime, "_plans_on", None)
+    monkeypatch.setattr(runtime, "_plan_launched", False)
+    monkeypatch.setattr(runtime, "_current_stream", lambda: 7)
+
+
+def _remember(compiled, key="key"):
+    fn = types.SimpleNamespace(arg_names=ARG_NAMES)
+    kernel = types.SimpleNamespace(fn=fn, best_config=triton.Config({"BLOCK": 64}, num_warps=4))
+    runtime._remember_plan(key, kernel, compiled, lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),),
+                           (torch.randn(100), torch.randn(100), 100), {"FLAG": True}, None)
+
+
+def _plan_warnings(caught):
+    return [w for w in caught if "planned kernel launches are off" in str(w.message)]
+
+
+@pytest.mark.gpu
+def test_repeated_calls_relaunch_the_first_calls_kernel(monkeypatch):
+    # From the second eager call of a layout on, _gemm relaunches a plan (launch_planned): on new
+    # data, on a view whose 16-byte alignment differs (its own plan), forward and both products.
+    relaunched = []
+    call = runtime._LaunchPlan.__call__
+    monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))
+    M, K, N = 97, 72, 88
+    for offset in (0, 0, 0, 1, 1):  # offset 1: the rows start 2 bytes off a 16-byte boundary
+        a = torch.randn(M * K + offset, dtype=torch.bfloat16, device="cuda")[offset:].view(M, K)
+        b = randn(K, N, dtype=torch.bfloat16, device="cuda", layout="transposed")
+        check_forward_backward(a, b, torch.randn(N, dtype=torch.bfloat16, device="cuda"), torch.bfloat16)
+    assert len(relaunched) >= 2 * 3 + 3  # rounds 2, 3 and 5: forward, dA, dB each
+    assert runtime._plans_on and runtime._plan_launched, "the installed Triton's launcher was not accepted"
+
+
+def test_launch_plan_fixes_all_but_the_tensors():
+    # What launch_planned relaunches: Triton's argument order (positional, keywords, the tuned
+    # config), the grid evaluated once, and no reference to the first call's tensors.
+    fn = types.SimpleNamespace(arg_names=ARG_NAMES)
+    kernel = types.SimpleNamespace(fn=fn, best_config=triton.Config({"BLOCK": 64}, num_warps=4))
+    x, y = torch.randn(100), torch.randn(100)
+    plan = runtime._LaunchPlan(kernel, object(), lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),),
+                               (x, y, 100), {"FLAG": True}, None)
+    assert plan.values == [None, None, 100, True, 64] and plan.slots == [0, 1]
+    assert plan.grid == (2, 1, 1)
+    x_ref = weakref.ref(x)
+    del x
+    assert x_ref() is None
+
+
+def test_plan_key_separates_what_triton_specializes_on():
+    a = torch.randn(40, 33)
+    b, bias = torch.randn(33, 24), torch.randn(24)
+    c = torch.empty(40, 24)
+    key = matmul_relu_module._plan_key
+    same = key(a, b, c, bias, None, None, True)
+    assert key(torch.randn(40, 33), b, c, bias, None, None, True) == same  # new data, same layout
+    assert key(torch.randn(40 * 33 + 1)[1:].view(40, 33), b, c, bias, None, None, True) != same  # 4 bytes off
+    assert key(a, b.t().contiguous().t(), c, bias, None, None, True) != same  # column-major b
+    assert key(a, b, c, None, None, None, True) != same
+    assert key(a, b, c, bias, None, None, False) != same
+
+
+def test_installed_triton_launches_as_plans_do():
+    # The check compares with the installed Triton's JITFunction.run: it must pass here (and on the GPU).
+    assert runtime._launcher_mismatch(FakeCompiled()) is None
+
+
+def test_planned_launch_passes_what_triton_passes(fresh_plans):
+    compiled = FakeCompiled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _remember(compiled)
+        x, y = torch.randn(100), torch.randn(100)
+        assert runtime.launch_planned("key", x, y)
+    hooks = triton.knobs.runtime
+    (args,) = compiled.calls
+    assert args[:7] == (2, 1, 1, 7, "function handle", "packed metadata", ("launch metadata", (2, 1, 1), 7))
+    assert args[7:9] == (hooks.launch_enter_hook, hooks.launch_exit_hook)
+    assert args[9] is x and args[10] is y and args[11:] == (100, True, 64)
+    assert not runtime.launch_planned("another key", x, y)  # nothing planned there: the caller launches
+
+
+def test_compiled_kernel_without_the_launcher_attributes_turns_plans_off(fresh_plans):
+    def without_packed_metadata():
+        return types.SimpleNamespace(run=FakeCompiled().run, function="function handle",
+                                     launch_metadata=FakeCompiled().launch_metadata)
+
+    with pytest.warns(RuntimeWarning) as caught:
+        _remember(without_packed_metadata())
+        _remember(without_packed_metadata(), key="other")
+    (warning,) = _plan_warnings(caught)  # once
+    assert "packed_metadata" in str(warning.message) and "3.6" in str(warning.message)
+    assert runtime._PLANS == {} and not runtime.launch_planned("key", torch.randn(100), torch.randn(100))
+
+
+def test_changed_normal_launch_turns_plans_off(fresh_plans, monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    def run(self, *args, grid, warmup, **kwargs):  # a Triton whose launcher takes one more argument
+        kernel = launch_metadata = bound_args = grid_0 = grid_1 = grid_2 = stream = knobs = None
+        kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata,
+                   knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, None, *bound_args.values())
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    with pytest.warns(RuntimeWarning) as caught:
+        _remember(FakeCompiled())
+    (warning,) = _plan_warnings(caught)
+    assert "JITFunction.run" in str(warning.message)
+    assert runtime._PLANS == {}
+
+
+def test_launcher_that_rejects_the_first_planned_launch_turns_plans_off(fresh_plans):
+    compiled = FakeCompiled(error=TypeError("function takes exactly 14 arguments (13 given)"))
+    _remember(compiled)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert not runtime.launch_planned("key", torch.randn(100), torch.randn(100))  # the caller launches
+    (warning,) = _plan_warnings(caught)
+    assert "14 arguments" in str(warning.message)
+    assert runtime._PLANS == {} and runtime._plans_on is False
+    _remember(FakeCompiled())  # no plan is made any more
+    assert runtime._PLANS == {}
+
+
+def test_errors_after_the_first_planned_launch_propagate(fresh_plans):
+    compiled = FakeCompiled()
+    _remember(compiled)
+    assert runtime.launch_planned("key", torch.randn(100), torch.randn(100))
+    compiled.error = TypeError("a real error")
+    with pytest.raises(TypeError, match="a real error"):
+        runtime.launch_planned("key", torch.randn(100), torch.randn(100))
+
+
+def test_tested_triton_versions_are_declared_in_pyproject():
+    if sys.version_info < (3, 11):
+        pytest.skip("tomllib is Python 3.11's")
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    declared = pyproject["tool"]["fuselab"]["launch-plans-tested-on-triton"]
+    assert tuple(declared) == runtime.LAUNCH_PLANS_TESTED_ON_TRITON

@@ -1,17 +1,22 @@
 """fuselab.nn: FusedLinearReLU, fuse_linear_relu (Sequential, torch.fx, Hugging Face), fused_backend."""
 import copy
+from collections import OrderedDict
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize, prune
 
-from fuselab.nn import FusedLinearReLU, fuse_linear_relu, fused_backend
+from fuselab.nn import FusedConv1DReLU, FusedLinearReLU, fuse_linear_relu, fused_backend
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32: fused vs stock differ only by summation order
 
 
 def compare(model, patched, *inputs, **kwargs):
     """Outputs and every parameter's gradient of the patched model equal the original's."""
+    model.zero_grad()
+    patched.zero_grad()
     out, out_p = model(*inputs, **kwargs), patched(*inputs, **kwargs)
     out, out_p = getattr(out, "logits", out), getattr(out_p, "logits", out_p)
     torch.testing.assert_close(out_p, out, **TOL)
@@ -44,12 +49,37 @@ def test_fused_linear_relu_module_and_state_dict():
 
 def test_fused_linear_relu_compiles_fullgraph():
     torch._dynamo.reset()
-    layer = FusedLinearReLU(12, 7)
+    layer, stock = FusedLinearReLU(12, 7), nn.Linear(12, 7)
+    stock.load_state_dict(layer.state_dict())
     x = torch.randn(5, 12, requires_grad=True)
+    x_stock = x.detach().clone().requires_grad_()
     out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
-    torch.testing.assert_close(out, layer(x))
-    out.sum().backward()
-    assert x.grad is not None and layer.weight.grad is not None
+    ref = torch.relu(stock(x_stock))
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn_like(ref)
+    (out * g).sum().backward()
+    (ref * g).sum().backward()
+    for got, want in [(x.grad, x_stock.grad), (layer.weight.grad, stock.weight.grad),
+                      (layer.bias.grad, stock.bias.grad)]:
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_fused_layers_on_the_meta_device():
+    y = FusedLinearReLU(4, 3, device="meta")(torch.empty(2, 5, 4, device="meta"))
+    assert y.shape == (2, 5, 3) and y.device.type == "meta"
+    with torch.device("meta"):
+        assert FusedLinearReLU(4, 3)(torch.empty(2, 4)).shape == (2, 3)
+        assert FusedConv1DReLU(nf=3, nx=4)(torch.empty(2, 4)).shape == (2, 3)
+
+
+def test_fused_linear_relu_runs_what_the_op_cannot_as_torch_does():
+    # float64 (also under autocast, which leaves float64 alone), where the op has no kernel.
+    layer = FusedLinearReLU(6, 5, dtype=torch.float64)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    want = torch.relu(F.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(layer(x), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(layer(x), want)
 
 
 def test_fused_linear_relu_autocast():
@@ -83,6 +113,16 @@ def test_torchvision_classifier_heads():
         assert patched is model and report.fused == expected, str(report)
         assert "classifier.6" in report.skipped
         assert patched.state_dict().keys() == keys
+        # The head as torchvision builds it, its Linears narrowed (the interpreter takes minutes at 4096
+        # wide), after 4 channels pooled to 3x3 instead of the convolutional features.
+        model = ctor(weights=None).eval()
+        model.features, model.avgpool = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()), nn.AdaptiveAvgPool2d(3)
+        linears = [i for i, layer in enumerate(model.classifier) if isinstance(layer, nn.Linear)]
+        for i, (fan_in, fan_out) in zip(linears, [(36, 24), (24, 16), (16, 10)]):
+            model.classifier[i] = nn.Linear(fan_in, fan_out)
+        patched, report = fuse_linear_relu(copy.deepcopy(model))
+        assert report.fused == expected, str(report)
+        compare(model, patched, torch.randn(2, 3, 8, 8))
 
 
 class FxNet(nn.Module):
@@ -118,10 +158,10 @@ def test_filter_fn():
     assert report.fused == ["0"]
 
 
-def _tiny_opt(act):
+def _tiny_opt(act, layers=2):
     from transformers import OPTConfig, OPTForCausalLM
 
-    cfg = OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=24, num_attention_heads=2,
+    cfg = OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=layers, ffn_dim=24, num_attention_heads=2,
                     max_position_embeddings=32, word_embed_proj_dim=16, activation_function=act,
                     dropout=0.0, attention_dropout=0.0)
     return OPTForCausalLM(cfg).eval()
@@ -263,3 +303,236 @@ def test_fused_backend_rewrites_captured_graphs():
     ops = seen[0]
     assert any("linear_relu" in op for op in ops) and any("matmul_relu" in op for op in ops), ops
     assert not any(op.startswith("<built-in method relu") or op.startswith("<function relu") for op in ops), ops
+
+
+class Residual(nn.Sequential):
+    def forward(self, x):
+        h = self[0](x)
+        return self[1](h) + h
+
+
+def test_sequentials_that_compute_something_else_left_alone():
+    model = nn.Sequential(Residual(nn.Linear(6, 6), nn.ReLU()),
+                          nn.Sequential(OrderedDict(fc=nn.Linear(6, 5), act=nn.ReLU())))
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    assert report.fused == ["1.fc"], str(report)  # named as the module is, not by its index
+    assert "own forward" in report.skipped["0.0"]
+    compare(model, patched, torch.randn(3, 6))
+
+
+def _relu_mlp(pairs, width=6):
+    return nn.Sequential(*[m for _ in range(pairs) for m in (nn.Linear(width, width), nn.ReLU())])
+
+
+class Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_layers_with_hooks_pruning_or_parametrizations_left_alone():
+    model = _relu_mlp(6)
+    calls = []
+    model[0].register_forward_hook(lambda m, i, o: calls.append("forward"))
+    model[3].register_forward_pre_hook(lambda m, i: calls.append("relu pre"))  # on a ReLU
+    model[4].register_full_backward_hook(lambda m, gi, go: calls.append("backward"))
+    prune.l1_unstructured(model[6], "weight", amount=0.5)
+    parametrize.register_parametrization(model[8], "weight", Double())
+    layers = list(model)
+    x, g = torch.randn(3, 6), torch.randn(3, 6)
+    want = model(x)
+    (want * g).sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    calls.clear()
+    patched, report = fuse_linear_relu(model)
+    assert report.fused == ["10"], str(report)
+    for name, word in [("0", "hooks"), ("2", "ReLU has hooks"), ("4", "hooks"), ("6", "prune"), ("8", "parametriz")]:
+        assert word in report.skipped[name], (name, str(report))
+        assert patched[int(name)] is layers[int(name)] and patched[int(name) + 1] is layers[int(name) + 1]
+    model.zero_grad()
+    got = patched(x)
+    (got * g).sum().backward()
+    assert calls == ["forward", "relu pre", "backward"]
+    torch.testing.assert_close(got, want, **TOL)
+    for got_grad, want_grad in zip([p.grad for p in model.parameters()], want_grads):
+        torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
+def test_hf_block_with_hooks_or_parametrization_left_alone():
+    model = _tiny_opt("relu", layers=3)
+    calls = []
+    fc1s = [layer.fc1 for layer in model.model.decoder.layers]
+    fc1s[0].register_forward_hook(lambda m, i, o: calls.append("fc1"))
+    model.model.decoder.layers[1].activation_fn.register_forward_hook(lambda m, i, o: calls.append("act"))
+    parametrize.register_parametrization(fc1s[2], "weight", Double())
+    patched, report = fuse_linear_relu(model)
+    assert report.fused == [], str(report)
+    assert "hooks" in report.skipped["model.decoder.layers.0.fc1"]
+    assert "ReLU has hooks" in report.skipped["model.decoder.layers.1.fc1"]
+    assert "parametriz" in report.skipped["model.decoder.layers.2.fc1"]
+    patched(torch.randint(0, 64, (2, 5)))
+    assert calls == ["fc1", "act"]
+
+
+def test_filter_fn_that_raises_changes_nothing():
+    model = _relu_mlp(2, width=4)
+    layers = list(model)
+
+    def veto(name, layer):
+        if name == "2":
+            raise RuntimeError("filter failed")
+        return True
+
+    with pytest.raises(RuntimeError, match="filter failed"):
+        fuse_linear_relu(model, filter_fn=veto)
+    assert list(model) == layers
+    _, report = fuse_linear_relu(model, filter_fn=lambda name, layer: name != "2")
+    assert report.fused == ["0"] and report.skipped["2"] == "vetoed by filter_fn", str(report)
+
+
+def test_unsupported_dtype_left_alone():
+    for model, name, x in [(_relu_mlp(1).double(), "0", torch.randn(2, 6)),
+                           (FxNet().double(), "fc1", torch.randn(2, 8))]:
+        patched, report = fuse_linear_relu(model)
+        assert patched is model and report.fused == [] and "float64" in report.skipped[name], str(report)
+        model(x.double())
+
+
+class InplaceReLUs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3, self.fc4 = (nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x), inplace=True)
+        h = torch.relu_(self.fc2(h))
+        h = self.fc3(h).relu_()
+        return F.relu(input=self.fc4(h))
+
+
+def test_inplace_relus_keep_their_meaning():
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(inplace=True), nn.Linear(6, 4))
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    assert report.fused == ["0"], str(report)
+    compare(model, patched, torch.randn(3, 5))
+    model = InplaceReLUs()
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    assert report.fused == ["fc1", "fc2", "fc3", "fc4"], str(report)
+    compare(model, patched, torch.randn(3, 6))
+
+
+class FunctionalNet(nn.Module):
+    """Linear + ReLU written out: keyword arguments, a bias of every shape addmm broadcasts."""
+
+    def __init__(self, m=4, k=6, n=5):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(n, k)), nn.Parameter(torch.randn(n))
+        self.w = nn.Parameter(torch.randn(k, n))
+        self.row_bias, self.full_bias = nn.Parameter(torch.randn(1, n)), nn.Parameter(torch.randn(m, n))
+
+    def forward(self, x):
+        return (F.relu(F.linear(x, weight=self.weight, bias=self.bias))
+                + torch.relu(F.linear(input=x, weight=self.weight, bias=self.bias))
+                + torch.relu(torch.addmm(self.row_bias, x, self.w))
+                + torch.relu(torch.addmm(self.full_bias, x, self.w))
+                + torch.relu(torch.addmm(self.bias, x, self.w)))
+
+
+class MatmulReLU(nn.Module):
+    def forward(self, x, w):
+        return torch.relu(x @ w)
+
+
+def _compiled_with_fuselab(model):
+    """``model`` whose forward runs through ``fused_backend``; and the ops of each graph it compiled."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def spy(gm, example_inputs):
+        compiled = fused_backend("aot_eager")(gm, example_inputs)  # rewrites gm in place first
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return compiled
+
+    model.forward = torch.compile(model.forward, backend=spy, fullgraph=True)
+    return model, graphs
+
+
+def test_graph_rewrites_keep_what_the_model_computes():
+    model = FunctionalNet()
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    assert report.method == "torch.fx rewrite" and len(report.fused) == 2, str(report)  # the two F.linear
+    x = torch.randn(4, 6)
+    compare(model, patched, x)
+    compiled, graphs = _compiled_with_fuselab(copy.deepcopy(model))
+    compare(model, compiled, x)
+    fused = [op for op in graphs[0] if "fused_" in op]
+    assert len(fused) == 3 and sum("addmm" in op for op in graphs[0]) == 2, graphs  # (1, N) and (M, N) biases stay
+    for dtype in (torch.float64, torch.int64):  # the op has no kernel for these: left alone
+        x, w = torch.randint(-3, 4, (4, 6)).to(dtype), torch.randint(-3, 4, (6, 5)).to(dtype)
+        compiled, graphs = _compiled_with_fuselab(MatmulReLU())
+        torch.testing.assert_close(compiled(x, w), torch.relu(x @ w))
+        assert not any("fused_" in op for op in graphs[0]), graphs
+
+
+def test_fx_rewrite_saves_loads_and_patches_again(tmp_path):
+    for model in [FxNet(), FunctionalNet()]:
+        patched, report = fuse_linear_relu(copy.deepcopy(model))
+        assert report.method == "torch.fx rewrite", str(report)
+        torch.save(patched, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        again, report = fuse_linear_relu(loaded)
+        assert again is loaded and report.fused == [], str(report)
+        compare(model, again, torch.randn(4, 8 if isinstance(model, FxNet) else 6))
+
+
+class TrainModeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.5, self.training))
+
+
+class NoGradNet(TrainModeNet):
+    def forward(self, x):
+        with torch.no_grad():
+            h = F.relu(self.fc1(x))
+        return self.fc2(h)
+
+
+class AutocastOffNet(TrainModeNet):
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):  # fp32 here even when the caller runs autocast
+            h = F.relu(self.fc1(x.float()))
+        return self.fc2(h)
+
+
+def test_fx_path_leaves_alone_what_a_graph_would_change():
+    hooked = FxNet()
+    hooked.fc1.register_forward_pre_hook(lambda m, args: (2 * args[0],))
+    for model, why in [(TrainModeNet(), "train/eval"), (NoGradNet(), "grad mode"), (AutocastOffNet(), "autocast"),
+                       (hooked, "hooks")]:
+        patched, report = fuse_linear_relu(model)
+        assert report.fused == [] and patched is model and why in report.skipped["fc1"], str(report)
+    with torch.no_grad():  # patched where the block's no_grad changes nothing, run where it does
+        assert fuse_linear_relu(NoGradNet())[1].fused == []
+
+
+@pytest.mark.gpu
+def test_patched_models_on_a_gpu():
+    # On CUDA the op runs Triton for fp16 (autocast) and cuBLAS + ReLU for fp32 at torch's default precision.
+    for model, x in [(_relu_mlp(2, width=64), torch.randn(8, 64)), (InplaceReLUs(), torch.randn(2, 5, 6)),
+                     (FunctionalNet(), torch.randn(4, 6))]:
+        model, x = model.cuda(), x.cuda()
+        patched, report = fuse_linear_relu(copy.deepcopy(model))
+        assert report.fused, str(report)
+        compare(model, patched, x)
+        with torch.autocast("cuda", dtype=torch.float16):
+            got, want = patched(x), model(x)
+        assert got.dtype == want.dtype == torch.float16
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        compiled, graphs = _compiled_with_fuselab(copy.deepcopy(model))
+        compare(model, compiled, x)
+        assert any("fused_" in op for op in graphs[0]), graphs
+    model = _relu_mlp(1).cuda().double()
+    assert fuse_linear_relu(model)[1].fused == []

@@ -24,7 +24,7 @@ class ExecutionPath(enum.Enum):
     """What computes an op on a tensor (``execution_path``); each value says why."""
 
     TRITON = "fuselab's Triton kernels (CUDA, or any device under TRITON_INTERPRET=1)"
-    TORCH_ON_CPU = "PyTorch's kernels: a CPU tensor, and Triton is not interpreting"
+    TORCH_ON_CPU = "PyTorch's kernels: a CPU (or meta) tensor, and Triton is not interpreting CPU tensors"
     TORCH_EXACT_FP32 = ("PyTorch's kernels: fp32 on CUDA at torch's default matmul precision "
                         "(\"highest\"), where cuBLAS's SGEMM beats Triton's exact-fp32 dot")
     TORCH_FLOAT64 = "PyTorch's kernels: float64, which fuselab's Triton kernels do not compute in (fp32 math)"
@@ -35,7 +35,7 @@ def execution_path(t: torch.Tensor, *, exact_fp32_on_cuda_uses_torch: bool = Fal
 
     ``exact_fp32_on_cuda_uses_torch``: the op is a matmul, whose exact-fp32 form cuBLAS does better
     than Triton; elementwise ops leave it False."""
-    if not (t.is_cuda or INTERPRET):
+    if not (t.is_cuda or (INTERPRET and t.is_cpu)):  # meta tensors: PyTorch's ops compute their shapes
         return ExecutionPath.TORCH_ON_CPU
     if t.dtype == torch.float64:
         return ExecutionPath.TORCH_FLOAT64
@@ -48,7 +48,7 @@ def execution_path(t: torch.Tensor, *, exact_fp32_on_cuda_uses_torch: bool = Fal
 def uses_triton(t: torch.Tensor) -> bool:
     """Whether ``t`` is where Triton kernels can run (CUDA, or any tensor under the interpreter).
     Being replaced by ``execution_path(t) is not ExecutionPath.TORCH_ON_CPU``."""
-    return t.is_cuda or INTERPRET
+    return t.is_cuda or (INTERPRET and t.is_cpu)
 
 
 def register_op(qualname: str, fake: Callable, mutates_args: Tuple[str, ...] = ()) -> Callable:

@@ -26,9 +26,21 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
-from fuselab.kernels._runtime import (INTERPRET, SUPPORTED_DTYPES, check_same_device, check_same_dtype,
-                                      has_tma, launch, launch_planned, max_shared_memory, num_sms,
-                                      register_op, untraced, uses_triton)
+from fuselab.kernels._runtime import (
+    INTERPRET,
+    SUPPORTED_DTYPES,
+    ExecutionPath,
+    check_same_device,
+    check_same_dtype,
+    execution_path,
+    has_tma,
+    launch,
+    launch_planned,
+    max_shared_memory,
+    num_sms,
+    register_op,
+    untraced,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs
@@ -374,14 +386,10 @@ def _relu_grad(grad: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def _runs_triton(t: torch.Tensor) -> bool:
-    """Whether the op's GEMMs on ``t`` run Triton, or PyTorch's own kernels (and a separate ReLU).
-
-    Plain CPU runs PyTorch's. So does exact fp32 on a GPU (``"highest"``, torch's default
-    precision): Triton's exact-fp32 dot has no tensor-core form and loses to cuBLAS's SGEMM (the
-    OPT decoder's fp32 inference ran at 0.79x stock through it on the H200). fp32 at ``"high"``
-    (tf32), fp16 and bf16 run the fused kernel."""
-    return uses_triton(t) and not (t.is_cuda and t.dtype == torch.float32
-                                   and torch.get_float32_matmul_precision() == "highest")
+    """Whether the op's GEMMs on ``t`` run Triton (``ExecutionPath.TRITON``), or PyTorch's own
+    kernels and a separate ReLU: on a plain CPU, and for exact fp32 on a GPU (``"highest"``, torch's
+    default precision), where Triton's exact-fp32 dot has no tensor-core form and loses to cuBLAS."""
+    return execution_path(t, exact_fp32_on_cuda_uses_torch=True) is ExecutionPath.TRITON
 
 
 def _mask_on_load(grad: torch.Tensor) -> bool:
@@ -588,7 +596,7 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
         return matmul_relu_cuda(a, b, bias)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
-    if uses_triton(a) and untraced(a, b, bias) and not _beyond_custom_ops():
+    if execution_path(a) is ExecutionPath.TRITON and untraced(a, b, bias) and not _beyond_custom_ops():
         return _EagerMatmulReLU.apply(a, b, bias)
     if not torch.compiler.is_compiling() and _beyond_custom_ops():
         return _torch_forward(a, b, bias)  # PyTorch's ops: every transform and tangent rule is theirs

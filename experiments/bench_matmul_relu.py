@@ -1,28 +1,50 @@
-"""Benchmark fuselab's fused matmul-ReLU against every peer, in one process, on the same inputs.
+"""Benchmark fuselab's fused matmul-ReLU against its peers, in one process, on the same inputs,
+every provider in eager mode and replayed from a CUDA graph.
 
-Peers: ``torch.relu(a @ b)`` (cuBLAS + a separate ReLU), ``torch._addmm_activation(bias, a, b)``
-(cuBLASLt's fused bias+ReLU epilogue, the strongest fused peer), and inductor's
-``max-autotune-no-cudagraphs`` compile of ``relu(a @ b)``; forward+backward against PyTorch
-autograd. Times are ``triton.testing.do_bench`` medians (it flushes L2 before each run).
-fp32 rows run with ``torch.set_float32_matmul_precision("high")``: tf32 for everyone.
+Ops and providers (the first one named is each op's baseline; the report computes ``x <baseline>``):
 
-    python experiments/bench_matmul_relu.py                 # the full suite (H200: ~6 min)
-    python experiments/bench_matmul_relu.py --quick         # three shapes, bf16
-    python experiments/report.py                            # README tables + plot from the JSON
+    fwd            relu(a @ b + bias): cuBLASLt (``torch._addmm_activation``, cuBLASLt's fused bias+ReLU
+                   epilogue), fuselab, relu(addmm) (cuBLAS, then a separate ReLU), inductor
+                   (``max-autotune-no-cudagraphs`` compile of relu(addmm); bf16, ``--inductor`` shapes);
+                   with ``--cuda`` also the CUDA C++ reference: CUDA mma (mma.sync), CUDA wgmma (Hopper,
+                   fp16/bf16), CUDA SIMT (exact fp32) and CUDA naive (the tutorial's kernel, fp32, <= 4096^3)
+    fwd-nobias     relu(a @ b): relu(mm), fuselab
+    fwd+bwd        relu(a @ b + bias), forward then backward (3 GEMMs' FLOPs): autograd, fuselab
+
+Modes (``experiments/harness.py``): ``eager`` is ``triton.testing.do_bench`` (one call at a time, L2
+flushed, the host's per-call cost included); ``graph`` replays the same calls from a CUDA graph (device
+time only). Inputs rotate over sets that together exceed L2, so a graph's replays do not find them
+cached. ``tf32`` rows are fp32 tensors under ``torch.set_float32_matmul_precision("high")``: tf32
+for every provider. Each fwd provider's output is also checked against float64 (metric ``rel err``).
+
+    python -m experiments.bench_matmul_relu --quick                    # 3 shapes, bf16 (runs/)
+    python -m experiments.bench_matmul_relu --results                  # the full suite -> results/matmul_relu.json
+    python -m experiments.bench_matmul_relu --cuda --ops fwd --results # the CUDA C++ reference -> matmul_relu_cuda
+    python -m experiments.report                                       # docs/results/*.md from results/
 """
 import argparse
+import contextlib
+import importlib
 import os
 import sys
-from pathlib import Path
-from unittest import mock
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from fuselab.kernels import matmul_relu  # noqa: E402
-from fuselab.kernels.matmul_relu import matmul_relu_kernel  # noqa: E402
-from fuselab.report import RESULTS, markdown_table, save_json  # noqa: E402
+from experiments.harness import (
+    Providers,
+    Results,
+    add_output_args,
+    cycle,
+    output_path,
+    pivot,
+    positive_int,
+    rel_error,
+    require_cuda,
+    rotating,
+    time_call,
+)
+from fuselab.kernels import matmul_relu
 
 # name -> (M, N, K); Y is M x N, the reduction is K.
 SHAPES = {
@@ -37,148 +59,256 @@ SHAPES = {
     "7b-mlp 4096x11008x4096": (4096, 11008, 4096),  # 4096 tokens, d=4096 -> 11008, ReLU
 }
 QUICK = ["8192x8192x8192", "8192x8192x256", "64x4096x4096"]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP32_SHAPES = ["4096x4096x4096", "8192x8192x1024", "1024x2048x512"]
 FWD_BWD_SHAPES = ["8192x8192x1024", "4096x4096x4096"]
-CUDA_COLUMNS = ["shape", "dtype", "CUDA C++ naive+bias", "CUDA C++ SIMT+bias (exact fp32)", "CUDA C++ tiled+bias",
-                "CUDA C++ wgmma+bias", "fuselab+bias", "cuBLASLt addmm+relu", "torch relu(mm)", "CUDA tiled x naive",
-                "CUDA tiled x relu(mm)", "CUDA wgmma x relu(mm)", "CUDA tiled x cuBLASLt", "CUDA wgmma x cuBLASLt"]
+INDUCTOR_SHAPES = ["8192x8192x8192", "8192x8192x256", "64x4096x4096"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}
+OPS = ("fwd", "fwd-nobias", "fwd+bwd")
+STUDY, CUDA_STUDY = "matmul_relu", "matmul_relu_cuda"
+
+FWD, NO_BIAS, FWD_BWD = Providers(), Providers(), Providers()
+PROVIDERS = {"fwd": FWD, "fwd-nobias": NO_BIAS, "fwd+bwd": FWD_BWD}
+_compiled: Dict[str, object] = {}  # op -> this job's inductor compile
 
 
-def tflops(flops: float, ms: float) -> float:
-    return flops / ms * 1e-9
+@FWD.register("cuBLASLt", baseline=True)
+def cublaslt(a, b, bias):
+    return torch._addmm_activation(bias, a, b)
 
 
-def bench(fn, grad_to_none=None) -> float:
-    import triton
-
-    fn()  # autotune / compile outside the timed region
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
+@FWD.register("fuselab")
+def fuselab_fwd(a, b, bias):
+    return matmul_relu(a, b, bias)
 
 
-def exact_fp32(fn, *args, **kwargs):
-    """``fn`` with tf32 off: the CUDA reference then takes its exact SIMT fp32 kernel."""
+@FWD.register("relu(addmm)")
+def relu_addmm(a, b, bias):
+    return torch.relu(torch.addmm(bias, a, b))
+
+
+@FWD.register("inductor")
+def inductor_fwd(a, b, bias):
+    return _compiled["fwd"](a, b, bias)
+
+
+@FWD.register("CUDA mma")
+def cuda_mma(a, b, bias):
+    return matmul_relu(a, b, bias, backend="cuda")
+
+
+@FWD.register("CUDA wgmma")
+def cuda_wgmma(a, b, bias):
+    return matmul_relu(a, b, bias, backend="cuda")
+
+
+@FWD.register("CUDA SIMT (exact fp32)")
+def cuda_simt(a, b, bias):
+    return matmul_relu(a, b, bias, backend="cuda")
+
+
+@FWD.register("CUDA naive")
+def cuda_naive(a, b, bias):
+    return torch.ops.fuselab.matmul_relu_cuda_naive(a, b, bias)
+
+
+@NO_BIAS.register("relu(mm)", baseline=True)
+def relu_mm(a, b):
+    return torch.relu(a @ b)
+
+
+@NO_BIAS.register("fuselab")
+def fuselab_no_bias(a, b):
+    return matmul_relu(a, b)
+
+
+@FWD_BWD.register("autograd", baseline=True)
+def autograd_fwd_bwd(a, b, bias, dy):
+    torch.relu(torch.addmm(bias, a, b)).backward(dy)
+
+
+@FWD_BWD.register("fuselab")
+def fuselab_fwd_bwd(a, b, bias, dy):
+    matmul_relu(a, b, bias).backward(dy)
+
+
+@contextlib.contextmanager
+def cuda_kernel(kernel: str):
+    """The CUDA reference's fp16/bf16 kernel pinned (FUSELAB_CUDA_KERNEL) around a whole timing, not per
+    call; fuselab.settings reads the variable once, so it is told to read it again."""
+    def reread():
+        try:
+            importlib.import_module("fuselab.settings").reload()
+        except (ImportError, AttributeError):  # a version that reads the variable on every call
+            pass
+
+    saved = os.environ.get("FUSELAB_CUDA_KERNEL")
+    os.environ["FUSELAB_CUDA_KERNEL"] = kernel
+    reread()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("FUSELAB_CUDA_KERNEL", None)
+        else:
+            os.environ["FUSELAB_CUDA_KERNEL"] = saved
+        reread()
+
+
+@contextlib.contextmanager
+def exact_fp32():
+    """tf32 off: the CUDA reference then takes its exact SIMT fp32 kernel."""
     allowed = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        return fn(*args, **kwargs)
+        yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
-# The CUDA reference's fp16/bf16 kernel each column pins (FUSELAB_CUDA_KERNEL, read per call). Set
-# around the whole timing, not per call: patching os.environ inside the timed call costs ~0.1 ms.
-CUDA_PINNED = {"CUDA C++ tiled+bias": "mma", "CUDA C++ wgmma+bias": "wgmma"}
+SETTINGS = {"CUDA mma": lambda: cuda_kernel("mma"), "CUDA wgmma": lambda: cuda_kernel("wgmma"),
+            "CUDA SIMT (exact fp32)": exact_fp32}
 
 
-def measure_forward(name, dtype_name, inductor: bool, cuda: bool = False):
-    import triton
+def wanted(op: str, name: str, shape: str, dtype: str, args) -> bool:
+    """Whether ``name`` runs for this op, shape and dtype under the command line's choices."""
+    M, N, K = SHAPES[shape]
+    if name.startswith("CUDA"):
+        if not args.cuda:
+            return False
+        if name == "CUDA wgmma":
+            return dtype != "tf32" and torch.cuda.get_device_capability() == (9, 0)
+        if name == "CUDA SIMT (exact fp32)":
+            return dtype == "tf32"
+        if name == "CUDA naive":
+            return dtype == "tf32" and M * N * K <= 4096**3
+        return True
+    if name == "inductor":
+        return dtype == "bf16" and shape in args.inductor
+    return True
 
-    M, N, K = SHAPES[name]
+
+def make_inputs(op: str, shape: str, dtype: torch.dtype):
+    M, N, K = SHAPES[shape]
+    grad = op == "fwd+bwd"
+    a = torch.randn(M, K, device="cuda", dtype=dtype, requires_grad=grad)
+    b = torch.randn(K, N, device="cuda", dtype=dtype, requires_grad=grad)
+    if op == "fwd-nobias":
+        return a, b
+    bias = torch.randn(N, device="cuda", dtype=dtype, requires_grad=grad)
+    if op == "fwd":
+        return a, b, bias
+    return a, b, bias, torch.randn(M, N, device="cuda", dtype=dtype)
+
+
+def fuselab_config() -> Optional[str]:
+    """The autotuner's last choice for the Triton kernel (None where the kernel module moved)."""
+    for module in list(sys.modules.values()):
+        kernel = getattr(module, "matmul_relu_kernel", None) if module and module.__name__.startswith(
+            "fuselab.kernels") else None
+        if kernel is not None and getattr(kernel, "best_config", None) is not None:
+            return str(kernel.best_config)
+    return None
+
+
+def measure(results: Results, op: str, shape: str, dtype_name: str, args) -> None:
+    M, N, K = SHAPES[shape]
     dtype = DTYPES[dtype_name]
-    a = torch.randn(M, K, device="cuda", dtype=dtype)
-    b = torch.randn(K, N, device="cuda", dtype=dtype)
-    bias = torch.randn(N, device="cuda", dtype=dtype)
-    flops = 2.0 * M * N * K
-    ref = torch.relu(a.double() @ b.double() + bias.double())
-    out = matmul_relu(a, b, bias)
-    rel_err = ((out.double() - ref).norm() / ref.norm()).item()
-    providers = {
-        "fuselab": lambda: matmul_relu(a, b),
-        "fuselab+bias": lambda: matmul_relu(a, b, bias),
-        "torch relu(mm)": lambda: torch.relu(a @ b),
-        "cuBLASLt addmm+relu": lambda: torch._addmm_activation(bias, a, b),
-    }
-    if cuda:  # the CUDA C++ reference (issue 3): its mma.sync (tf32 in fp32) kernel, Hopper's wgmma kernel
-        # (fp16/bf16 on sm_90), and the tutorial's naive kernel in fp32
-        providers["CUDA C++ tiled+bias"] = lambda: matmul_relu(a, b, bias, backend="cuda")
-        if dtype != torch.float32 and torch.cuda.get_device_capability() == (9, 0):
-            providers["CUDA C++ wgmma+bias"] = providers["CUDA C++ tiled+bias"]
-        if dtype == torch.float32:
-            providers["CUDA C++ SIMT+bias (exact fp32)"] = lambda: exact_fp32(matmul_relu, a, b, bias, backend="cuda")
-            if M * N * K <= 4096**3:
-                providers["CUDA C++ naive+bias"] = lambda: torch.ops.fuselab.matmul_relu_cuda_naive(a, b, bias)
-    if inductor:
-        compiled = torch.compile(lambda x, y: torch.relu(x @ y), mode="max-autotune-no-cudagraphs")
-        providers["inductor max-autotune"] = lambda: compiled(a, b)
-    row = {"shape": name, "M": M, "N": N, "K": K, "dtype": dtype_name, "rel_err_vs_fp64": rel_err}
-    for prov, fn in providers.items():
-        with mock.patch.dict(os.environ, {"FUSELAB_CUDA_KERNEL": CUDA_PINNED[prov]} if prov in CUDA_PINNED else {}):
-            row[prov] = tflops(flops, bench(fn))
-        if prov == "fuselab":
-            row["fuselab_config"] = str(matmul_relu_kernel.best_config)
-            # The same launch replayed from a CUDA graph: kernel time without Python's host cost.
-            row["fuselab (CUDA graph)"] = tflops(flops, triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
-    row["x relu(mm)"] = row["fuselab"] / row["torch relu(mm)"]
-    row["x cuBLASLt"] = row["fuselab+bias"] / row["cuBLASLt addmm+relu"]
-    if inductor:
-        row["x inductor"] = row["fuselab"] / row["inductor max-autotune"]
-    if cuda:
-        row["CUDA tiled x cuBLASLt"] = row["CUDA C++ tiled+bias"] / row["cuBLASLt addmm+relu"]
-        row["CUDA tiled x relu(mm)"] = row["CUDA C++ tiled+bias"] / row["torch relu(mm)"]
-        if "CUDA C++ wgmma+bias" in row:
-            row["CUDA wgmma x relu(mm)"] = row["CUDA C++ wgmma+bias"] / row["torch relu(mm)"]
-            row["CUDA wgmma x cuBLASLt"] = row["CUDA C++ wgmma+bias"] / row["cuBLASLt addmm+relu"]
-        if "CUDA C++ naive+bias" in row:
-            row["CUDA tiled x naive"] = row["CUDA C++ tiled+bias"] / row["CUDA C++ naive+bias"]
-    return row
+    flops = (6.0 if op == "fwd+bwd" else 2.0) * M * N * K
+    providers = {n: fn for n, fn in PROVIDERS[op].select(args.providers.get(op)).items()
+                 if wanted(op, n, shape, dtype_name, args)}
+    if "inductor" in providers:
+        torch._dynamo.reset()  # a fresh compile per shape: no recompile limit, no stale guards
+        _compiled[op] = torch.compile(relu_addmm, mode="max-autotune-no-cudagraphs", dynamic=False)
+    sets = rotating(lambda: make_inputs(op, shape, dtype))
+    leaves = [t for s in sets for t in s if t.requires_grad] or None
+    if op == "fwd":
+        a, b, bias = sets[0]
+        ref = torch.relu(torch.addmm(bias.double(), a.double(), b.double()))
+    for name, fn in providers.items():
+        keys = dict(op=op, provider=name, shape=shape, dtype=dtype_name)
+        with SETTINGS.get(name, contextlib.nullcontext)():
+            for mode in args.modes:
+                try:
+                    timing = time_call(cycle(fn, sets), mode, rep_ms=args.rep_ms, grad_to_none=leaves)
+                except Exception as e:  # noqa: BLE001  out of memory, a graph that does not capture: reported
+                    results.fail(**keys, mode=mode, error=e)
+                    print(f"FAILED {op} {name} {shape} {dtype_name} {mode}: {results.failed[-1]['error']}")
+                    torch.cuda.empty_cache()
+                    continue
+                extra = {"config": fuselab_config()} if name == "fuselab" and mode == "eager" else {}
+                results.record_time(**keys, mode=mode, value=timing, flops=flops, **extra)
+            if op == "fwd":
+                try:
+                    results.record(**keys, mode="eager", metric="rel err", value=rel_error(fn(a, b, bias), ref))
+                except Exception as e:  # noqa: BLE001
+                    results.fail(**keys, mode="eager", error=e)
+    del sets
 
 
-def measure_forward_backward(name, dtype_name):
-    M, N, K = SHAPES[name]
-    dtype = DTYPES[dtype_name]
-    a = torch.randn(M, K, device="cuda", dtype=dtype, requires_grad=True)
-    b = torch.randn(K, N, device="cuda", dtype=dtype, requires_grad=True)
-    bias = torch.randn(N, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(M, N, device="cuda", dtype=dtype)
-    flops = 3 * 2.0 * M * N * K
-    row = {"shape": name, "M": M, "N": N, "K": K, "dtype": dtype_name}
-    for prov, f in {"fuselab": lambda: matmul_relu(a, b, bias),
-                    "torch autograd": lambda: torch.relu(torch.addmm(bias, a, b))}.items():
-        row[prov] = tflops(flops, bench(lambda: f().backward(dy), grad_to_none=[a, b, bias]))
-    row["x torch"] = row["fuselab"] / row["torch autograd"]
-    return row
+def csv(text: str) -> List[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="three shapes, bf16 only")
-    p.add_argument("--shapes", default="all", help="shape names (comma-separated, or 'all')")
-    p.add_argument("--dtypes", default="bf16,fp16,fp32")
-    p.add_argument("--fp32-shapes", default="all", help="shapes (comma-separated, or 'all') timed in fp32")
-    p.add_argument("--inductor", default="8192x8192x8192,8192x8192x256,64x4096x4096",
-                   help="shapes (comma-separated, or 'all'/'none') that also time inductor max-autotune, bf16 only "
+    p.add_argument("--quick", action="store_true", help="three shapes, bf16 only, fwd+bwd at one shape")
+    p.add_argument("--shapes", default="all", help=f"comma-separated names or 'all': {list(SHAPES)}")
+    p.add_argument("--dtypes", default="bf16,fp16,tf32", help=f"of {list(DTYPES)}")
+    p.add_argument("--tf32-shapes", default=",".join(FP32_SHAPES), help="shapes timed in tf32 ('all' or names)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"of {list(OPS)}")
+    p.add_argument("--providers", default=None,
+                   help="restrict the providers, e.g. 'fuselab,cuBLASLt' (applies to every op that has them)")
+    p.add_argument("--modes", default="eager,graph", help="timing modes: eager, graph")
+    p.add_argument("--inductor", default=",".join(INDUCTOR_SHAPES),
+                   help="shapes ('all', 'none' or names) that also time inductor max-autotune, bf16 fwd only "
                         "(each costs a ~30 s compile)")
-    p.add_argument("--cuda", action="store_true", help="also time the CUDA C++ reference (built on first use)")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_matmul_relu.py times CUDA kernels: run it on a GPU machine.")
+    p.add_argument("--cuda", action="store_true",
+                   help=f"add the CUDA C++ reference (built on first use) and write study {CUDA_STUDY!r}")
+    p.add_argument("--rep-ms", type=positive_int, default=100, help="milliseconds of timed calls per measurement")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    require_cuda("bench_matmul_relu")  # before any work
+
+    def pick(text, known, what):
+        names = list(known) if text == "all" else [] if text == "none" else csv(text)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            p.error(f"unknown {what} {unknown}: choose from {list(known)}")
+        return names
+
+    shapes = QUICK if args.quick else pick(args.shapes, SHAPES, "shapes")
+    dtypes = ["bf16"] if args.quick else pick(args.dtypes, DTYPES, "dtypes")
+    tf32_shapes = set(pick(args.tf32_shapes, SHAPES, "tf32 shapes"))
+    ops = pick(args.ops, OPS, "ops")
+    args.modes = pick(args.modes, ("eager", "graph"), "modes")
+    args.inductor = set(pick(args.inductor, SHAPES, "inductor shapes"))
+    chosen = csv(args.providers) if args.providers else None
+    known = {n for reg in PROVIDERS.values() for n in reg.fns}
+    if chosen and set(chosen) - known:
+        p.error(f"unknown providers {sorted(set(chosen) - known)}: choose from {sorted(known)}")
+    args.providers = {op: [n for n in reg.fns if n in chosen] if chosen else None for op, reg in PROVIDERS.items()}
+    study = CUDA_STUDY if args.cuda else STUDY
+    out = output_path(args, study)
     from tqdm import tqdm
 
     torch.set_float32_matmul_precision("high")
-    shapes = QUICK if args.quick else list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    unknown = set(shapes) - set(SHAPES)
-    if unknown:
-        sys.exit(f"unknown shapes {sorted(unknown)}: choose from {list(SHAPES)}")
-    dtypes = ["bf16"] if args.quick else args.dtypes.split(",")
-    inductor = set(SHAPES) if args.inductor == "all" else set(args.inductor.split(",")) - {"none"}
-    fp32_shapes = set(shapes) if args.fp32_shapes == "all" else set(args.fp32_shapes.split(","))
-    jobs = [(s, d) for d in dtypes for s in shapes if d != "fp32" or s in fp32_shapes]
-    fwd = [measure_forward(s, d, d == "bf16" and s in inductor, args.cuda) for s, d in tqdm(jobs, desc="forward")]
-    fb_jobs = [(s, d) for d in dtypes for s in (FWD_BWD_SHAPES[:1] if args.quick else FWD_BWD_SHAPES)
-               if s in shapes and (s in fp32_shapes or d != "fp32")]
-    fb = [measure_forward_backward(s, d) for s, d in tqdm(fb_jobs, desc="fwd+bwd")]
-    # --cuda runs are saved apart: they add the CUDA reference's columns, usually over fewer shapes.
-    path = save_json("matmul_relu_bench" + ("_cuda" if args.cuda else ""), fwd, {"forward_backward": fb}, out_dir=args.out)
-    cols = ["shape", "dtype", "fuselab", "fuselab (CUDA graph)", "torch relu(mm)", "x relu(mm)", "fuselab+bias", "cuBLASLt addmm+relu",
-            "x cuBLASLt", "inductor max-autotune", "x inductor"]
-    if args.cuda:
-        cols = CUDA_COLUMNS
-    print(markdown_table(cols, [[r.get(c, "") for c in cols] for r in fwd]))
-    cols = ["shape", "dtype", "fuselab", "torch autograd", "x torch"]
-    print(markdown_table(cols, [[r[c] for c in cols] for r in fb]))
-    print(f"saved {path}")
+    results = Results(study)
+    for op in ops:
+        results.set_baseline(op, PROVIDERS[op])
+    fb_shapes = FWD_BWD_SHAPES[:1] if args.quick else FWD_BWD_SHAPES
+    jobs: List[Tuple[str, str, str]] = [
+        (op, s, d) for op in ops for d in dtypes for s in shapes
+        if (d != "tf32" or s in tf32_shapes) and (op != "fwd+bwd" or s in fb_shapes)]
+    for op, shape, dtype in tqdm(jobs, desc=study):
+        measure(results, op, shape, dtype, args)
+        results.save(out, merge=args.merge)  # after every job: a run cut short keeps what it measured
+    for op in ops:
+        rows = results.select(op=op, metric="TFLOP/s")
+        if rows:
+            print(f"\n{op}, TFLOP/s:\n" + pivot(rows, ["shape", "dtype", "mode"], baseline=results.baselines[op],
+                                                 higher_is_better=True))
+    print(f"saved {results.save(out, merge=args.merge)}")
+    return results
 
 
 if __name__ == "__main__":

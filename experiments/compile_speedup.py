@@ -1,54 +1,92 @@
-"""What torch.compile really buys: eager vs compile modes, fp32 vs bf16 autocast, stock vs fuselab.
+"""What torch.compile really buys: eager vs compile modes, fp32 vs tf32 vs bf16 autocast, stock vs fuselab.
 
-Models: torchvision ResNet-50 (channels_last where it applies) and an OPT-style transformers
+Models: torchvision ResNet-50 (channels_last unless ``--no-channels-last``) and an OPT-style transformers
 decoder with a ReLU MLP (random init), each in training (forward+backward+SGD step) and inference.
-The decoder also runs patched by ``fuselab.nn.fuse_linear_relu``, and as ``opt-norelu``: the stock
-decoder with its ReLU deleted (wrong math, timing only), the most that any fusion of the ReLU into
-its GEMM could save. Precisions: ``fp32`` is PyTorch's default (matmuls in full fp32, convolutions
-already tf32 through ``cudnn.allow_tf32``), ``tf32`` adds ``set_float32_matmul_precision("high")``,
-``bf16`` is autocast. For every configuration:
-throughput, time to the first result (compile time), peak memory, speedup against eager of the
-same model/precision, the variants' speed against the stock decoder in the same mode, and the graph
-breaks Dynamo reports. A configuration that fails (out of memory, a compiler error) is reported.
+The decoder also runs patched by ``fuselab.nn.fuse_linear_relu`` (``opt+fuselab``), and as
+``opt-norelu``: the stock decoder with its ReLU deleted (wrong math, timing only), the most that any
+fusion of the ReLU into its GEMM could save. Precisions: ``fp32`` is PyTorch's default (matmuls in
+full fp32, convolutions already tf32 through ``cudnn.allow_tf32``), ``tf32`` adds
+``set_float32_matmul_precision("high")``, ``bf16`` is autocast.
 
-    python experiments/compile_speedup.py                       # the full study (GPU)
-    python experiments/compile_speedup.py --plan 'resnet50:infer:fp32:eager,default' --merge   # a piece of it
-    python experiments/compile_speedup.py --tiny --device cpu --modes eager,default   # smoke test
+Study ``compile_speedup`` (long format, ``experiments/harness.py``): op ``<family> <task>`` (``opt
+train``, ``resnet50 infer``); provider the model (``opt``, the stock decoder, is the baseline of the
+opt ops; ``resnet50`` of its own); shape the batch; dtype the precision; mode the compile mode
+(``eager``, ``default``, ``reduce-overhead``, ``max-autotune``). Metrics: ``ms/step`` (wall mode:
+``--iters`` synchronized steps after ``--warmup``; with ``--passes N`` each quantile is the mean over
+the passes, each pass's median kept in ``passes``), ``first call s`` (the first step, compilation
+included), ``peak MiB`` (GPU) and ``graph breaks`` (``torch._dynamo.explain``; compiled modes only).
+Speedups against eager and against the stock decoder are computed by ``experiments/report.py``.
 
-Every row records the commit it was measured at. ``--merge`` keeps the rows of the existing JSON
-that this run does not measure, so the study can be run in pieces (a GPU machine lent for minutes).
-``--passes N`` times the plan N times, alternating its configurations, and reports the mean: two
-configurations a few percent apart are compared under the same machine drift.
+A configuration that fails (out of memory, a compiler error) is recorded in the results file's
+``failed`` list (``Results.fail``) and the others still run; a later run that measures it, or fails
+it again, replaces the entry.
+
+    python -m experiments.compile_speedup                      # the full grid (GPU; hours: run it in pieces)
+    python -m experiments.compile_speedup --plan 'resnet50:infer:fp32:eager,default' --results --merge
+    python -m experiments.compile_speedup --tiny --device cpu --modes eager,default   # smoke test
+
+``--merge`` keeps the rows of the output file that this run does not measure, so the study can be run
+in pieces (a GPU machine lent for minutes); each row names the run (commit, dirty flag) that measured
+it. ``--passes N`` times the plan N times, alternating its configurations: two configurations a few
+percent apart are compared under the same machine drift. ``--budget-min`` stops starting new runs.
 """
 import argparse
 import itertools
-import json
-import sys
 import time
-from pathlib import Path
+from typing import Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments.harness import (
+    Providers,
+    Results,
+    Timing,
+    add_output_args,
+    non_negative_int,
+    output_path,
+    peak_memory_mib,
+    pivot,
+    positive_float,
+    positive_int,
+    require_cuda,
+    time_call,
+    time_first_call,
+)
 
-from fuselab.nn import fuse_linear_relu  # noqa: E402
-from fuselab.report import RESULTS, environment, markdown_table, save_json  # noqa: E402
-
+STUDY = "compile_speedup"
 MODES = ["eager", "default", "reduce-overhead", "max-autotune"]
 MODELS = ["resnet50", "opt", "opt+fuselab", "opt-norelu"]
 PRECISIONS = {"fp32": "highest", "tf32": "high", "bf16": "highest"}  # -> torch.set_float32_matmul_precision
-COLUMNS = ["model", "task", "precision", "mode", "ms/step", "speedup vs eager", "x stock, same mode", "first call s",
-           "peak MiB", "graph breaks"]
+TASKS = ["train", "infer"]
+
+RESNET, OPT = Providers(), Providers()  # one registry per model family, the stock model its baseline
 
 
-def build(name, tiny, device):
-    """(model, example batch, items per batch, unit)."""
-    if name.startswith("resnet50"):
-        import torchvision
+def batch_shape(name: str, tiny: bool) -> Tuple[int, ...]:
+    """The input batch of a model: images (N, C, H, W) or token ids (batch, sequence)."""
+    if family(name) == "resnet50":
+        return (2, 3, 64, 64) if tiny else (64, 3, 224, 224)
+    return (2, 32) if tiny else (8, 1024)
 
-        model = torchvision.models.resnet18(weights=None) if tiny else torchvision.models.resnet50(weights=None)
-        batch = torch.randn(2 if tiny else 64, 3, 64 if tiny else 224, 64 if tiny else 224, device=device)
-        return model.to(device), (batch,), batch.shape[0], "img/s"
+
+def shape_of(name: str, tiny: bool, channels_last: bool) -> str:
+    """The row's ``shape``: the batch, and what else tells two configurations of one model apart."""
+    dims = "x".join(map(str, batch_shape(name, tiny)))
+    if family(name) == "opt":
+        return f"{dims} tokens"
+    return dims if channels_last else f"{dims} NCHW"
+
+
+@RESNET.register("resnet50", baseline=True)
+def resnet50(tiny: bool, device):
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None) if tiny else torchvision.models.resnet50(weights=None)
+    batch = torch.randn(*batch_shape("resnet50", tiny), device=device)
+    return model.to(device), (batch,), batch.shape[0], "img/s"
+
+
+def _opt(tiny: bool, device):
     from transformers import OPTConfig, OPTForCausalLM
 
     size = dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4) if tiny else \
@@ -56,22 +94,47 @@ def build(name, tiny, device):
     cfg = OPTConfig(vocab_size=512 if tiny else 50272, max_position_embeddings=2048, activation_function="relu",
                     word_embed_proj_dim=size["hidden_size"], dropout=0.0, attention_dropout=0.0, **size)
     model = OPTForCausalLM(cfg).to(device)
-    tokens = torch.randint(0, cfg.vocab_size, (2 if tiny else 8, 32 if tiny else 1024), device=device)
-    if name.endswith("+fuselab"):
-        model, report = fuse_linear_relu(model)
-        assert report.fused, str(report)
-    elif name.endswith("-norelu"):
-        for layer in model.model.decoder.layers:
-            layer.activation_fn = torch.nn.Identity()
+    tokens = torch.randint(0, cfg.vocab_size, batch_shape("opt", tiny), device=device)
     return model, (tokens,), tokens.numel(), "tok/s"
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+@OPT.register("opt", baseline=True)
+def opt(tiny: bool, device):
+    return _opt(tiny, device)
 
 
-def run_one(name, mode, precision, train, args, device):
+@OPT.register("opt+fuselab")
+def opt_fuselab(tiny: bool, device):
+    from fuselab.nn import fuse_linear_relu
+
+    model, inputs, items, unit = _opt(tiny, device)
+    model, report = fuse_linear_relu(model)
+    assert report.fused, str(report)
+    return model, inputs, items, unit
+
+
+@OPT.register("opt-norelu")
+def opt_norelu(tiny: bool, device):
+    model, inputs, items, unit = _opt(tiny, device)
+    for layer in model.model.decoder.layers:
+        layer.activation_fn = torch.nn.Identity()
+    return model, inputs, items, unit
+
+
+FAMILIES = {"resnet50": RESNET, "opt": OPT}
+
+
+def family(name: str) -> str:
+    return "resnet50" if name.startswith("resnet50") else "opt"
+
+
+def build(name, tiny, device):
+    """(model, example batch, items per batch, unit)."""
+    return FAMILIES[family(name)].fns[name](tiny, device)
+
+
+def run_one(name, mode, precision, train, args, device) -> dict:
+    """One configuration measured once: {timing, first, peak, breaks}."""
     torch._dynamo.reset()
     torch.set_float32_matmul_precision(PRECISIONS[precision])
     model, inputs, items, unit = build(name, args.tiny, device)
@@ -109,26 +172,15 @@ def run_one(name, mode, precision, train, args, device):
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    sync(device)
-    t0 = time.perf_counter()
-    step()
-    sync(device)
-    first = time.perf_counter() - t0
-    for _ in range(args.warmup):
-        step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(args.iters):
-        step()
-    sync(device)
-    per_step = (time.perf_counter() - t0) / args.iters
-    return {"model": name, "task": "train" if train else "infer", "precision": precision, "mode": mode,
-            "ms/step": per_step * 1e3, unit: items / per_step, "first call s": first,
-            "peak MiB": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
-            "graph breaks": breaks}
+    first = time_first_call(step)
+    timing = time_call(step, "wall", iters=args.iters, warmup_iters=args.warmup)
+    return {"timing": timing, "first": first, "peak": peak_memory_mib(device), "breaks": breaks}
 
 
-def parse_plan(args):
+Config = Tuple[str, str, str, str]  # (model, task, precision, mode)
+
+
+def parse_plan(args, parser) -> List[Config]:
     """[(model, task, precision, mode)]: --plan groups 'models:tasks:precisions:modes' joined by ';'
     (each field comma-separated), or the full grid of --models x --tasks x --precisions x --modes."""
     groups = args.plan.split(";") if args.plan else [":".join([args.models, args.tasks, args.precisions, args.modes])]
@@ -136,72 +188,38 @@ def parse_plan(args):
     for group in groups:
         fields = group.strip().split(":")
         if len(fields) != 4:
-            raise SystemExit(f"--plan group {group!r} must be models:tasks:precisions:modes")
+            parser.error(f"--plan group {group!r} must be models:tasks:precisions:modes")
         grid += itertools.product(*(f.split(",") for f in fields))
-    for i, (field, known) in enumerate([("models", MODELS), ("tasks", ["train", "infer"]),
-                                         ("precisions", list(PRECISIONS)), ("modes", MODES)]):
+    for i, (field, known) in enumerate([("models", MODELS), ("tasks", TASKS), ("precisions", list(PRECISIONS)),
+                                        ("modes", MODES)]):
         bad = {cfg[i] for cfg in grid} - set(known)
         if bad:
-            raise SystemExit(f"unknown {field} {sorted(bad)}: choose from {known}")
-    return grid
+            parser.error(f"unknown {field} {sorted(bad)}: choose from {known}")
+    return list(dict.fromkeys(grid))
 
 
-def config_key(row):
-    """What identifies a configuration of the study (a row measures one)."""
-    return row["model"], row["task"], row["precision"], row["mode"]
+def add_pass(measured: Dict[Config, dict], config: Config, one: dict) -> None:
+    """Fold one measurement of ``config`` into ``measured``: first-call time and peak memory stay the
+    first pass's (later ones find the compile caches warm), timings are kept per pass."""
+    if config not in measured:
+        measured[config] = {**one, "timings": [one["timing"]]}
+    else:
+        measured[config]["timings"].append(one["timing"])
 
 
-def merge_rows(path, rows):
-    """The rows saved at ``path`` with this run's configurations replaced or appended."""
-    if not path.exists():
-        return rows
-    saved = json.loads(path.read_text())
-    fresh = {config_key(r): r for r in rows}
-    kept = [fresh.pop(config_key(r), {"commit": saved["environment"]["git_commit"], **r}) for r in saved["rows"]]
-    return kept + list(fresh.values())
-
-
-def merge_failed(path, failed, grid):
-    """The saved failures of configurations this run did not try, then this run's failures."""
-    saved = json.loads(path.read_text()).get("failed", []) if path.exists() else []
-    tried = set(grid)
-    return [f for f in saved if config_key(f) not in tried] + failed
-
-
-def add_pass(measured, row):
-    """Fold one timing of a configuration into ``measured``: ms/step (and throughput) become the mean
-    over passes, each pass kept in ``ms/step passes``; first-call time and peak memory stay those of
-    the first pass (later ones find the compile caches warm)."""
-    key = config_key(row)
-    if key not in measured:
-        measured[key] = {**row, "ms/step passes": [row["ms/step"]]}
-        return
-    kept = measured[key]
-    kept["ms/step passes"].append(row["ms/step"])
-    mean = sum(kept["ms/step passes"]) / len(kept["ms/step passes"])
-    unit = next(u for u in ("tok/s", "img/s") if u in kept)
-    kept[unit] *= kept["ms/step"] / mean
-    kept["ms/step"] = mean
-
-
-def add_speedups(rows):
-    """Each row's speedup against eager mode of its model, and a variant's (opt+fuselab, opt-norelu)
-    against the stock model in the same mode."""
-    eager = {(r["model"], r["task"], r["precision"]): r["ms/step"] for r in rows if r["mode"] == "eager"}
-    stock = {(r["task"], r["precision"], r["mode"]): r["ms/step"] for r in rows if r["model"] == "opt"}
-    for r in rows:
-        base = eager.get((r["model"], r["task"], r["precision"]))
-        r["speedup vs eager"] = base / r["ms/step"] if base else None
-        variant = r["model"] in ("opt+fuselab", "opt-norelu")
-        same_mode = stock.get((r["task"], r["precision"], r["mode"])) if variant else None
-        r["x stock, same mode"] = same_mode / r["ms/step"] if same_mode else None
-    return rows
-
-
-def study_order(rows):
-    """Rows sorted by model, task, precision and mode, in the order the study lists them."""
-    order = {name: i for i, name in enumerate(MODELS + ["train", "infer"] + list(PRECISIONS) + MODES)}
-    return sorted(rows, key=lambda r: [order.get(k, len(order)) for k in config_key(r)])
+def record(results: Results, measured: Dict[Config, dict]) -> None:
+    """``results.rows`` rebuilt from every configuration measured so far (passes averaged)."""
+    results.rows = []
+    for (model, task, precision, mode), m in measured.items():
+        keys = dict(op=f"{family(model)} {task}", provider=model, shape=m["shape"], dtype=precision, mode=mode)
+        ts = m["timings"]
+        mean = Timing(*(sum(getattr(t, q) for t in ts) / len(ts) for q in ("p20", "p50", "p80")))
+        results.record(metric="ms/step", value=mean, passes=[t.p50 for t in ts], **keys)
+        results.record(metric="first call s", value=m["first"], **keys)
+        if m["peak"] is not None:
+            results.record(metric="peak MiB", value=m["peak"], **keys)
+        if m["breaks"] is not None:
+            results.record(metric="graph breaks", value=m["breaks"], **keys)
 
 
 def main(argv=None):
@@ -212,48 +230,63 @@ def main(argv=None):
     p.add_argument("--tasks", default="train,infer")
     p.add_argument("--plan", help="instead of the full grid: 'models:tasks:precisions:modes;...', e.g. "
                                   "'opt,opt+fuselab:train:bf16:eager,default;resnet50:infer:fp32:eager'")
-    p.add_argument("--budget-min", type=float, default=None, help="stop starting new configurations after this")
+    p.add_argument("--budget-min", type=positive_float, default=None,
+                   help="stop starting new configurations after this many minutes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--passes", type=int, default=1, help="time the plan this many times, alternating its "
-                   "configurations (machine drift hits all of them alike); rows report the mean")
-    p.add_argument("--merge", action="store_true", help="keep the saved rows of configurations this run skips")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps after the first")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed steps")
+    p.add_argument("--passes", type=positive_int, default=1, help="time the plan this many times, alternating "
+                   "its configurations (machine drift hits all of them alike); rows report the mean")
+    add_output_args(p)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    from tqdm import tqdm
-
-    grid, measured, start = parse_plan(args), {}, time.perf_counter()
-    path = args.out / f"compile_speedup_{device.type}.json"
-    commit = environment()["git_commit"]
-    runs = [(p, cfg) for p in range(args.passes) for cfg in grid]  # passes alternate the configurations
-    failed = []
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda":
+        require_cuda("compile_speedup on --device cuda")
+    grid = parse_plan(args, p)
+    out = output_path(args, STUDY)
+    results = Results(STUDY)
+    results.annotate(tiny=args.tiny)
+    for model, task, *_ in grid:
+        results.set_baseline(f"{family(model)} {task}", FAMILIES[family(model)])
+    measured: Dict[Config, dict] = {}
+    failed = set()
+    runs = [cfg for _ in range(args.passes) for cfg in grid]  # passes alternate the configurations
+    start = time.perf_counter()
     matmul_precision = torch.get_float32_matmul_precision()  # run_one sets it per configuration
-    for done, (_, (model, task, prec, mode)) in enumerate(tqdm(runs)):
-        if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
-            print(f"budget of {args.budget_min} min spent: skipped {len(runs) - done} of {len(runs)} runs")
-            break
-        try:
-            add_pass(measured, {**run_one(model, mode, prec, task == "train", args, device), "commit": commit})
-        except Exception as e:  # noqa: BLE001  a configuration that fails (OOM, a compiler error) is reported
-            failed.append({"model": model, "task": task, "precision": prec, "mode": mode, "commit": commit,
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(f"FAILED {model}:{task}:{prec}:{mode}: {failed[-1]['error']}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        rows = list(measured.values())
-        # Saved after every configuration, so a run cut short keeps what it measured.
-        save_json(path.stem, add_speedups(merge_rows(path, rows) if args.merge else rows),
-                  {"tiny": args.tiny, "failed": merge_failed(path, failed, grid) if args.merge else failed},
-                  out_dir=args.out)
-    torch.set_float32_matmul_precision(matmul_precision)
-    rows = list(measured.values())
-    print(markdown_table(COLUMNS, [[r.get(k) if r.get(k) is not None else "" for k in COLUMNS] for r in rows]))
-    print(f"saved {path}")
-    return rows
+    try:
+        for done, config in enumerate(runs):
+            model, task, precision, mode = config
+            if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
+                print(f"budget of {args.budget_min} min spent: skipped {len(runs) - done} of {len(runs)} runs")
+                break
+            if config in failed:
+                continue
+            print(f"[{done + 1}/{len(runs)}] {model}:{task}:{precision}:{mode}", flush=True)
+            shape = shape_of(model, args.tiny, args.channels_last)
+            try:
+                one = run_one(model, mode, precision, task == "train", args, device)
+                add_pass(measured, config, {**one, "shape": shape})
+            except Exception as e:  # noqa: BLE001  a configuration that fails (OOM, a compiler error) is reported
+                failed.add(config)
+                entry = results.fail(op=f"{family(model)} {task}", provider=model, shape=shape, dtype=precision,
+                                     mode=mode, error=e)
+                print(f"FAILED {model}:{task}:{precision}:{mode}: {entry['error']}")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            record(results, measured)
+            results.save(out, merge=args.merge)  # after every configuration: a run cut short keeps what it measured
+    finally:
+        torch.set_float32_matmul_precision(matmul_precision)
+    rows = results.select(metric="ms/step")
+    if rows:
+        print(pivot(rows, ["op", "dtype", "provider"], column="mode", baseline="eager"))
+    print(f"saved {results.save(out, merge=args.merge)}")
+    return results
 
 
 if __name__ == "__main__":

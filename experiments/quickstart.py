@@ -1,30 +1,63 @@
 """fuselab's main job (`make demo`), in stages:
 
-1. the fused matmul-ReLU against PyTorch and float64: on a CPU the Triton kernels run once
-   through the interpreter on a small case (timings need a GPU); on a GPU the op is also timed
-   against ``torch.relu(a @ b)`` and cuBLASLt's fused epilogue;
+1. the fused matmul-ReLU against PyTorch, both against float64 (forward and the three gradients): on a
+   CPU the Triton kernels run once through the interpreter on a small case (timings need a GPU); on a
+   GPU the forward is also timed against ``torch.relu(torch.addmm(...))`` and cuBLASLt's fused epilogue
+   (``torch._addmm_activation``, the baseline);
 2. an MLP on Fashion-MNIST trained stock and patched with ``fuse_linear_relu``
-   (``experiments/train_mlp.py``; on a CPU without the interpreter, where fuselab uses PyTorch).
-Prints a summary table per stage and writes JSON under ``results/``.
+   (``python -m experiments.train_mlp``; on a CPU without the interpreter, where fuselab uses PyTorch).
+
+Study ``quickstart``: op ``fwd+bwd vs fp64`` (providers torch, the baseline, and fuselab; metric ``max
+rel err`` over the output and the three gradients; mode ``interpreter`` on a CPU, ``eager`` on a GPU)
+and, on a GPU, op ``fwd`` (metric TFLOP/s). Prints a table per stage; writes runs/quickstart.json
+(``--results``: results/, for this study and the MLP's).
 """
+import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by fuselab)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from experiments.harness import ROOT, Providers, Results, add_output_args, output_path, pivot, rel_error, time_call  # noqa: E402
 from fuselab.kernels import matmul_relu  # noqa: E402
-from fuselab.report import markdown_table, save_json  # noqa: E402
+
+STUDY = "quickstart"
+CHECK, TIMED = Providers(), Providers()
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def check(device: str, dtype: torch.dtype, M: int, N: int, K: int) -> dict:
-    """Forward and gradients of fuselab vs PyTorch, both against a float64 reference."""
+@CHECK.register("torch", baseline=True)
+def torch_relu_linear(a, b, bias):
+    return torch.relu(a @ b + bias)
+
+
+@CHECK.register("fuselab")
+def fuselab_check(a, b, bias):
+    return matmul_relu(a, b, bias)
+
+
+@TIMED.register("cuBLASLt", baseline=True)
+def cublaslt(a, b, bias):
+    return torch._addmm_activation(bias, a, b)
+
+
+@TIMED.register("fuselab")
+def fuselab_timed(a, b, bias):
+    return matmul_relu(a, b, bias)
+
+
+@TIMED.register("relu(addmm)")
+def relu_addmm(a, b, bias):
+    return torch.relu(torch.addmm(bias, a, b))
+
+
+def check(results: Results, device: str, dtype: torch.dtype, M: int, N: int, K: int, mode: str) -> None:
+    """Forward and gradients of every CHECK provider against a float64 reference: the largest relative
+    error of the four."""
     a = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
     b = torch.randn(K, N, device=device, dtype=dtype, requires_grad=True)
     bias = torch.randn(N, device=device, dtype=dtype, requires_grad=True)
@@ -32,63 +65,68 @@ def check(device: str, dtype: torch.dtype, M: int, N: int, K: int) -> dict:
     ref_in = [t.detach().double().requires_grad_(True) for t in (a, b, bias)]
     ref = torch.relu(ref_in[0] @ ref_in[1] + ref_in[2])
     ref.backward(dy.double())
-
-    def rel_err(outs, grads):
-        return max(((o.double() - r).norm() / r.norm()).item() for o, r in zip(outs, [ref.detach()] + [t.grad for t in ref_in]))
-
-    y = matmul_relu(a, b, bias)
-    y.backward(dy)
-    fuselab_err = rel_err([y.detach(), a.grad, b.grad, bias.grad], None)
-    for t in (a, b, bias):
-        t.grad = None
-    y_t = torch.relu(a @ b + bias)
-    y_t.backward(dy)
-    torch_err = rel_err([y_t.detach(), a.grad, b.grad, bias.grad], None)
-    return {"device": device, "dtype": str(dtype).replace("torch.", ""), "shape (MxNxK)": f"{M}x{N}x{K}",
-            "fuselab rel. err": fuselab_err, "torch rel. err": torch_err}
+    refs = [ref.detach()] + [t.grad for t in ref_in]
+    for name, fn in CHECK.select(None).items():
+        for t in (a, b, bias):
+            t.grad = None
+        y = fn(a, b, bias)
+        y.backward(dy)
+        err = max(rel_error(o, r) for o, r in zip([y.detach(), a.grad, b.grad, bias.grad], refs))
+        results.record(op="fwd+bwd vs fp64", provider=name, shape=f"{M}x{N}x{K}", dtype=DTYPE_NAMES[dtype],
+                       mode=mode, metric="max rel err", value=err)
 
 
-def time_gpu(dtype: torch.dtype, M: int, N: int, K: int) -> dict:
-    import triton
-
+def time_gpu(results: Results, dtype: torch.dtype, M: int, N: int, K: int) -> None:
     a = torch.randn(M, K, device="cuda", dtype=dtype)
     b = torch.randn(K, N, device="cuda", dtype=dtype)
     bias = torch.randn(N, device="cuda", dtype=dtype)
-    row = {}
-    for name, fn in {"fuselab TFLOP/s": lambda: matmul_relu(a, b, bias),
-                     "relu(addmm) TFLOP/s": lambda: torch.relu(torch.addmm(bias, a, b)),
-                     "cuBLASLt epilogue TFLOP/s": lambda: torch._addmm_activation(bias, a, b)}.items():
-        fn()
-        row[name] = 2.0 * M * N * K / triton.testing.do_bench(fn, return_mode="median") * 1e-9
-    return row
+    for name, fn in TIMED.select(None).items():
+        results.record_time(op="fwd", provider=name, shape=f"{M}x{N}x{K}", dtype=DTYPE_NAMES[dtype], mode="eager",
+                            value=time_call(lambda: fn(a, b, bias)), flops=2.0 * M * N * K)
 
 
-def main():
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--skip-mlp", action="store_true", help="stage 1 only")
+    p.add_argument("--data", help="stage 2's Fashion-MNIST folder (train_mlp's --data; default: its default)")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    out = output_path(args, STUDY)
     on_gpu = torch.cuda.is_available()
-    rows = []
+    results = Results(STUDY)
+    results.set_baseline("fwd+bwd vs fp64", CHECK)
     if on_gpu:
+        results.set_baseline("fwd", TIMED)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            row = check("cuda", dtype, 1031, 777, 515)
+            check(results, "cuda", dtype, 1031, 777, 515, "eager")
             if dtype != torch.float32:
-                row.update(time_gpu(dtype, 8192, 8192, 1024))
-            rows.append(row)
+                time_gpu(results, dtype, 8192, 8192, 1024)
     else:
         print("No CUDA device: running the Triton kernels once in the interpreter (slow; timings need a GPU).")
         for dtype in (torch.float32, torch.float16):  # the interpreter's bf16 dot is unreliable
-            rows.append(check("cpu", dtype, 67, 45, 83))
-    header = list(dict.fromkeys(k for r in rows for k in r))
-    print(markdown_table(header, [[r.get(k, "") for k in header] for r in rows]))
-    bad = [r for r in rows if r["fuselab rel. err"] > max(4 * r["torch rel. err"], 1e-6)]
-    path = save_json("quickstart", rows)
-    print(f"saved {path}")
+            check(results, "cpu", dtype, 67, 45, 83, "interpreter")
+    errors = results.select(metric="max rel err")
+    print(pivot(errors, ["shape", "dtype", "mode"], baseline=None))
+    if on_gpu:
+        print(pivot(results.select(metric="TFLOP/s"), ["shape", "dtype", "mode"], baseline="cuBLASLt",
+                    higher_is_better=True))
+    print(f"saved {results.save(out, merge=args.merge)}")
+    err = {(r["dtype"], r["provider"]): r["p50"] for r in errors}
+    bad = [d for d, prov in err if prov == "fuselab" and err[d, "fuselab"] > max(4 * err[d, "torch"], 1e-6)]
     if bad:
-        sys.exit(f"fuselab's error exceeds 4x PyTorch's on: {bad}")
+        sys.exit(f"fuselab's error exceeds 4x PyTorch's in {bad}")
     if not on_gpu:
-        print("Timings need a GPU: run `make demo` (or experiments/bench_matmul_relu.py) on a CUDA machine.")
+        print("Timings need a GPU: run `make demo` (or `make bench`) on a CUDA machine.")
+    if args.skip_mlp:
+        return results
     print("\nStage 2: an MLP trained stock and with fuse_linear_relu")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real speed on a CPU
-    script = Path(__file__).resolve().parent / "train_mlp.py"
-    subprocess.run([sys.executable, str(script), "--epochs", "3" if on_gpu else "2"], env=env, check=True)
+    cmd = [sys.executable, "-m", "experiments.train_mlp", "--epochs", "3" if on_gpu else "2"]
+    cmd += (["--data", args.data] if args.data else []) + (["--results", "--merge"] if args.results else [])
+    status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+    if status:
+        sys.exit(f"stage 2 (python -m experiments.train_mlp) failed with exit status {status}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,204 +1,768 @@
-"""Regenerate the README's results tables and the plots from the JSON under results/.
+"""Regenerate the results docs from results/*.json: docs/results/<study>.md with its plot
+(docs/results/<study>.png), the index docs/results/README.md, and README.md's headline table.
 
-    python experiments/report.py
+    python -m experiments.report               # everything
+    python -m experiments.report --no-readme   # the docs only
+
+Everything is rendered from the long-format rows alone (``fuselab-results/1``, see
+``experiments/harness.py``); this module imports no experiment script. What a study's page shows is
+its ``Spec`` below: a title, prose, and views (which metric, which keys index the lines, which key
+makes the columns, which column is the baseline of the ``x <baseline>`` ratio columns). A study
+without a spec, and any op and metric no view covers, get the generic rendering: one table per op and
+metric, providers as columns and, for times and rates, ratio columns against the op's baseline.
+Ratios are computed here, never stored: ``x <baseline>`` above 1 means faster (or more per second)
+than the baseline, whichever way the metric runs.
+
+README.md's headline table is written between ``<!-- results:headline -->`` and
+``<!-- /results:headline -->``; without those markers this fails and says so.
 """
-import json
+import argparse
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments.harness import RESULTS, ROOT, Results, geomean, markdown_table
 
-from fuselab.report import RESULTS, markdown_table, update_readme_section  # noqa: E402
-
-
-def load(name):
-    path = RESULTS / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def env_line(data):
-    e = data["environment"]
-    commits = list(dict.fromkeys(r["commit"] for r in data["rows"] if "commit" in r))  # runs merged into one file
-    commit = f"commits {', '.join(commits)} (per row: `commit`)" if len(commits) > 1 else f"commit {e['git_commit']}"
-    return f"_{e['gpu']}, torch {e['torch']}, triton {e['triton']}, CUDA {e['cuda']}, {commit}, {e['date']}._"
+DOCS = ROOT / "docs" / "results"
+README = ROOT / "README.md"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- results:headline -->", "<!-- /results:headline -->"
+OP_BASELINE = "<op baseline>"  # a View's baseline: the op's provider named in the file's ``baselines``
+STANDARD_ENV = ("gpu", "driver", "torch", "triton", "cuda", "python", "commit", "dirty", "date", "converted_from")
 
 
-def geomean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+# ----------------------------------------------------------------------------------------------
+# Specs: what each study's page shows
+# ----------------------------------------------------------------------------------------------
 
 
-def matmul_relu_section(data):
-    rows = data["rows"]
-    cols = ["shape", "dtype", "fuselab", "fuselab (CUDA graph)", "torch relu(mm)", "x relu(mm)", "fuselab+bias",
-            "cuBLASLt addmm+relu", "x cuBLASLt", "inductor max-autotune", "x inductor"]
-    out = [env_line(data), "", "Forward, TFLOP/s (higher is better; `x` columns are fuselab / peer). "
-           "`fuselab` and every peer are eager calls; `fuselab (CUDA graph)` replays the same launch from a "
-           "graph, i.e. without Python's per-call host cost (measured apart: the host-overhead table below).", "",
-           markdown_table(cols, [[r.get(c, "") for c in cols] for r in rows]), ""]
-    for dtype in dict.fromkeys(r["dtype"] for r in rows):
-        sel = [r for r in rows if r["dtype"] == dtype]
-        out.append(f"- {dtype}: geometric mean fuselab+bias / cuBLASLt = {geomean([r['x cuBLASLt'] for r in sel]):.2f}x "
-                   f"over {len(sel)} shapes; fuselab / relu(mm) = {geomean([r['x relu(mm)'] for r in sel]):.2f}x")
-    return "\n".join(out + forward_backward_table(data))
+@dataclass(frozen=True)
+class View:
+    """Tables of one metric: a line per distinct ``index`` tuple, a column per ``column`` value, a table
+    per distinct ``split`` tuple. ``baseline``: OP_BASELINE, a ``column`` value, or None (no ratios)."""
+    metric: str
+    index: Tuple[str, ...] = ("shape", "dtype", "mode")
+    column: str = "provider"
+    baseline: Optional[str] = OP_BASELINE
+    split: Tuple[str, ...] = ("op",)
+    ops: Optional[Tuple[str, ...]] = None
+    geomean_by: Optional[Tuple[str, ...]] = None  # a geometric mean per ratio column and group of these keys
+    title: str = ""  # "{op}", "{dtype}", ... from the split keys, and "{metric}"
+    note: str = ""
 
 
-def forward_backward_table(data):
-    fb = data.get("forward_backward", [])
-    cols = ["shape", "dtype", "fuselab", "torch autograd", "x torch"]
-    return ["", "Forward + backward with bias (3 GEMMs' FLOPs), TFLOP/s:", "",
-            markdown_table(cols, [[r[c] for c in cols] for r in fb])] if fb else []
+@dataclass(frozen=True)
+class Plot:
+    """Bars of ``metric``'s medians: a cluster per ``group`` tuple, a bar per ``bar`` tuple; with
+    ``ratio_to`` (a ``bar`` tuple) each bar is the speed relative to that bar in its cluster."""
+    metric: str
+    group: Tuple[str, ...]
+    bar: Tuple[str, ...]
+    where: Dict[str, object] = field(default_factory=dict)
+    ratio_to: Optional[Tuple[str, ...]] = None
+    ylabel: str = ""
+    title: str = ""
 
 
-def cuda_section(data, sweep=None):
-    from bench_matmul_relu import CUDA_COLUMNS
-    from sweep_cuda_tiles import COLUMNS as SWEEP_COLUMNS
-
-    tiled = ("`CUDA C++ tiled` is the mma.sync kernel and `wgmma` Hopper's, each pinned with FUSELAB_CUDA_KERNEL; "
-             "the default, auto, takes wgmma at K >= 512 on at least half the SMs' worth of 128x256 tiles or at "
-             "K >= 2048, mma.sync elsewhere"
-             if any("CUDA C++ wgmma+bias" in r for r in data["rows"])
-             else "measured before the wgmma kernel existed: `CUDA C++ tiled` is the mma.sync kernel")
-    out = [env_line(data), "", "Forward with bias, TFLOP/s, eager calls, one run with every peer on the same inputs "
-           f"({tiled}; fp32: tf32 for the tiled kernel, Triton and cuBLAS; the SIMT kernel is exact fp32, the naive "
-           "kernel is the tutorial's):", "",
-           markdown_table(CUDA_COLUMNS, [[r.get(c, "") for c in CUDA_COLUMNS] for r in data["rows"]])]
-    out += forward_backward_table(data)
-    if sweep:
-        out += ["", f"Tile sweep of the bf16 mma.sync kernel, 4096^3 with bias (`experiments/sweep_cuda_tiles.py`; "
-                f"cuBLAS `relu(a @ b)` timed in each variant's process). {env_line(sweep)}", "",
-                markdown_table(SWEEP_COLUMNS, [[r.get(c, "") for c in SWEEP_COLUMNS] for r in sweep["rows"]])]
-    return "\n".join(out)
+@dataclass(frozen=True)
+class Spec:
+    title: str
+    prose: str
+    command: str = ""
+    views: Tuple[View, ...] = ()
+    hide: Tuple[str, ...] = ()  # metrics left out of the generic tables (derivable from another)
+    plot: Optional[Plot] = None
+    orders: Dict[str, Sequence[str]] = field(default_factory=dict)  # value order per key (else first seen)
 
 
-def compile_section(data):
-    from compile_speedup import COLUMNS, add_speedups, study_order
+MATMUL_PROSE = """\
+`relu(a @ b + bias)` on the same inputs for every provider, in one process. Ops: `fwd` (with bias;
+baseline **cuBLASLt**, `torch._addmm_activation`, cuBLASLt's fused bias+ReLU epilogue), `fwd-nobias`
+(`relu(a @ b)`; baseline `relu(mm)`, cuBLAS then a separate ReLU) and `fwd+bwd` (forward then backward
+with bias, 3 GEMMs' FLOPs; baseline torch `autograd` of `relu(addmm)`). Other providers: `fuselab`
+(the Triton kernel), `relu(addmm)`, `inductor` (`torch.compile(mode="max-autotune-no-cudagraphs")`,
+bf16, three shapes){cuda}.
 
-    data = {**data, "rows": study_order(add_speedups(data["rows"]))}  # this version's columns for older JSON
-    cols = COLUMNS + ["commit"] if any("commit" in r for r in data["rows"]) else COLUMNS  # rows merged from runs
-    return "\n".join([env_line(data), "", "Training = forward + backward + SGD step; ms/step is the mean of 20 steps "
-                      "after 5 warm-up steps; `first call s` includes compilation; graph breaks as counted by "
-                      "`torch._dynamo.explain` (blank for eager); `x stock, same mode` is the stock decoder's ms/step over "
-                      "the row's (same task, precision and mode): above 1 the variant is faster:", "",
-                      markdown_table(cols, [[r.get(k) if r.get(k) is not None else "" for k in cols]
-                                            for r in data["rows"]])]
-                     + [f"\nFailed: {f['model']} {f['task']} {f['precision']} {f['mode']} (commit {f['commit']}): "
-                        f"`{f['error']}`" for f in data.get("failed", [])])
+Modes: `eager` is `triton.testing.do_bench` (one call at a time, L2 flushed, the host's per-call cost
+included: it dominates small shapes); `graph` replays the same calls from a CUDA graph (device time
+only). Inputs rotate over sets that together exceed L2. `tf32` rows are fp32 tensors under
+`torch.set_float32_matmul_precision("high")` (tf32 for every provider); at torch's default precision
+fuselab runs cuBLAS and a ReLU instead. `rel err` is the forward output's error against float64.
+Cells are medians (p50) of TFLOP/s; `x cuBLASLt` above 1 means faster than cuBLASLt."""
+
+CUDA_PROSE = """, and the CUDA C++ reference (`matmul_relu(..., backend="cuda")`): `CUDA mma`
+(mma.sync fed by ldmatrix; in tf32 its WMMA kernel) and `CUDA wgmma` (Hopper's warp-specialized TMA
+kernel, fp16/bf16), each pinned with `FUSELAB_CUDA_KERNEL`; `CUDA SIMT (exact fp32)` (tf32 off)
+and `CUDA naive` (the tutorial's one-thread-per-output kernel, fp32)"""
+
+COMPILE_ORDERS = {"op": ["resnet50 train", "resnet50 infer", "opt train", "opt infer"],
+                  "provider": ["resnet50", "opt", "opt+fuselab", "opt-norelu"],
+                  "dtype": ["fp32", "tf32", "bf16"], "mode": ["eager", "default", "reduce-overhead", "max-autotune"]}
+MATMUL_ORDERS = {"op": ["fwd", "fwd-nobias", "fwd+bwd"], "dtype": ["bf16", "fp16", "tf32"],
+                 "mode": ["eager", "graph"],
+                 "provider": ["cuBLASLt", "relu(mm)", "autograd", "fuselab", "relu(addmm)", "inductor", "CUDA mma",
+                              "CUDA wgmma", "CUDA SIMT (exact fp32)", "CUDA naive"]}
+MATMUL_VIEWS = (
+    View("TFLOP/s", index=("shape", "mode"), split=("op", "dtype"), geomean_by=("mode",),
+         title="{op}, {dtype}: TFLOP/s"),
+    View("rel err", index=("shape", "dtype"), baseline=None, ops=("fwd",), title="{op}: relative error vs float64"),
+)
+
+SPECS: Dict[str, Spec] = {
+    "matmul_relu": Spec(
+        title="Fused matmul-ReLU vs cuBLASLt",
+        prose=MATMUL_PROSE.format(cuda=""),
+        command="python -m experiments.bench_matmul_relu --results",
+        views=MATMUL_VIEWS, hide=("ms",), orders=MATMUL_ORDERS,
+        plot=Plot("TFLOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "fwd", "dtype": "bf16"},
+                  ylabel="TFLOP/s (bf16, M x N x K)", title="relu(a @ b + bias), bf16")),
+    "matmul_relu_cuda": Spec(
+        title="CUDA C++ reference vs Triton and cuBLASLt",
+        prose=MATMUL_PROSE.format(cuda=CUDA_PROSE),
+        command="python -m experiments.bench_matmul_relu --cuda --ops fwd --results",
+        views=MATMUL_VIEWS, hide=("ms",), orders=MATMUL_ORDERS,
+        plot=Plot("TFLOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "fwd", "dtype": "bf16"},
+                  ylabel="TFLOP/s (bf16, M x N x K)", title="relu(a @ b + bias), bf16, CUDA C++ reference")),
+    "cuda_tiles": Spec(
+        title="CUDA C++ mma.sync kernel: build-time tile sweep",
+        prose="""\
+Each tile variant of the CUDA reference's fp16/bf16 mma.sync kernel (pinned with
+`FUSELAB_CUDA_KERNEL=mma`) is built, loaded and timed in its own process, with cuBLAS `relu(a @ b)`
+timed in the same process as the baseline: bf16, 4096^3 with bias, B row-major and B = `weight.t()`.
+Cells are `do_bench` medians (eager mode).""",
+        command="python -m experiments.sweep_cuda_tiles --results",
+        views=(View("TFLOP/s", index=("op",), split=(), title="TFLOP/s per tile variant"),
+               View("rel err", index=("op",), baseline=None, split=(), title="relative error vs float64")),
+        hide=("ms",)),
+    "host_overhead": Spec(
+        title="Host time per call",
+        prose="""\
+Microseconds per call of the fused op and of torch, bf16, `nn.Linear` layout, at OPT's fc1 with 256
+tokens (GPU work of a few microseconds: host time) and 8192 tokens (the GPU's share shows). Providers:
+`relu(addmm)` (torch, the baseline), `torch, Python backward` (the same through a Python
+`autograd.Function`: what a Python backward costs by itself), `fuselab` (launch plans: a repeated call
+relaunches the compiled kernel without Triton's argument binding) and `fuselab, no launch plans`.
+Modes: `host` is the host's time to enqueue one call; `eager` is `do_bench`'s time per call, host
+and device together. `python loop` times one pure-Python loop on the main thread and inside a
+backward (autograd's device thread), where a Python backward runs.""",
+        command="python -m experiments.host_overhead --results",
+        views=(View("us", index=("shape", "mode"), split=("op",), title="{op}: microseconds per call"),),
+        orders={"op": ["fwd", "fwd+bwd", "python loop"], "mode": ["host", "eager", "loop", "wall"]},
+        plot=Plot("us", group=("op", "shape", "mode"), bar=("provider",), where={"op": ("fwd", "fwd+bwd")},
+                  ylabel="microseconds per call", title="host time per call, bf16")),
+    "compile_speedup": Spec(
+        title="torch.compile study: ResNet-50 and an OPT-style decoder",
+        prose="""\
+What `torch.compile` buys, per model, task (training = forward + backward + SGD step; inference),
+precision (`fp32`: PyTorch's default, full-fp32 matmuls; `tf32`: `set_float32_matmul_precision("high")`;
+`bf16`: autocast) and mode (`eager`, and compile modes `default`, `reduce-overhead` (CUDA graphs),
+`max-autotune`). Models: torchvision ResNet-50 (batch 64, channels_last) and an OPT-style transformers
+decoder (12 layers, d=1024, ReLU MLP; 8 x 1024 tokens, random init) stock (`opt`, the baseline),
+patched by `fuse_linear_relu` (`opt+fuselab`) and with its ReLU deleted (`opt-norelu`: wrong math,
+the most any fusion of the ReLU could save). `ms/step` is the median of 20 synchronized steps after
+5 warm-up steps (converted runs: the mean); `first call s` includes compilation; graph breaks as
+`torch._dynamo.explain` counts them. The first table's `x eager` columns are the speedup of each
+compile mode over eager; the second's `x opt` the variant's speed relative to the stock decoder in
+the same mode. The study is run in pieces (`--plan ... --merge`), so its rows come from several runs:
+the `run` column names each line's runs, listed at the end.""",
+        command="python -m experiments.compile_speedup --plan '<models:tasks:precisions:modes>' --results --merge",
+        views=(
+            View("ms/step", index=("op", "dtype", "provider"), column="mode", baseline="eager", split=(),
+                 title="ms/step by compile mode"),
+            View("ms/step", index=("op", "dtype", "mode"), baseline=OP_BASELINE, split=(),
+                 ops=("opt train", "opt infer"), title="OPT-style decoder variants vs the stock decoder, same mode"),
+            View("first call s", index=("op", "dtype", "provider"), column="mode", baseline=None, split=(),
+                 title="first call, seconds (compilation included)"),
+            View("peak MiB", index=("op", "dtype", "provider"), column="mode", baseline=None, split=(),
+                 title="peak GPU memory, MiB"),
+            View("graph breaks", index=("op", "dtype", "provider"), column="mode", baseline=None, split=(),
+                 title="graph breaks"),
+        ),
+        orders=COMPILE_ORDERS,
+        plot=Plot("ms/step", group=("op", "dtype", "provider"), bar=("mode",), ratio_to=("eager",),
+                  ylabel="speedup vs eager (same model, task, precision)", title="torch.compile")),
+    "train_mlp": Spec(
+        title="Fashion-MNIST MLP, stock vs fuse_linear_relu",
+        prose="""\
+A 784-512-512-10 MLP trained with AdamW from the same initial weights, stock (`nn.Linear` + `nn.ReLU`,
+the baseline) and patched by `fuse_linear_relu`: test accuracy after the same epochs, and the time of
+one synchronized training step (wall clock, after training). On a CPU fuselab computes with PyTorch,
+so the CPU rows show that patching keeps accuracy, not speed; the MLP trains in fp32 at torch's
+default precision, where fuselab runs cuBLAS and a ReLU on a GPU.""",
+        command="python -m experiments.train_mlp --results --merge",
+        views=(View("test accuracy", index=("op", "shape"), baseline=None, split=(), title="test accuracy"),
+               View("ms/step", index=("op", "shape"), split=(), title="ms per training step")),
+    ),
+    "quickstart": Spec(
+        title="Quickstart check (`make demo`, stage 1)",
+        prose="""\
+The fused op's forward and three gradients against float64, beside PyTorch's: the largest relative
+error of the four. On a CPU the Triton kernels run in the interpreter (mode `interpreter`).""",
+        command="python -m experiments.quickstart --results",
+        views=(View("max rel err", index=("shape", "dtype", "mode"), baseline=None, split=("op",),
+                    title="{op}: largest relative error vs float64"),
+               View("TFLOP/s", index=("shape", "dtype", "mode"), split=("op",), title="{op}: TFLOP/s")),
+        hide=("ms",)),
+    "sparse_embedding": Spec(
+        title="SparseAdamW vs torch.optim.SparseAdam and AdamW",
+        prose="""\
+Sparse embeddings trained with fuselab's `SparseAdamW` against `torch.optim.SparseAdam` and dense
+AdamW: MovieLens-100k matrix factorisation (accuracy, time per step, memory) and, on a GPU, the step
+of a 1,000,000 x 128 embedding with 65,536 random lookups (eager and replayed from a CUDA graph).
+See `experiments/sparse_embedding.py` for the exact setup.""",
+        command="python -m experiments.sparse_embedding --results"),
+}
 
 
-def plot_compile(data):
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+
+COUNT_METRICS = ("graph breaks",)  # printed as integers
+
+
+def num(v, metric: str = "") -> str:
+    """A cell: about three significant digits, thousands separated, tiny values in e-notation."""
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    if math.isnan(v):
+        return "nan"
+    a = abs(v)
+    if a == 0:
+        return "0"
+    if a >= 100 or metric in COUNT_METRICS:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    if a >= 0.01:
+        return f"{v:.3f}"
+    return f"{v:.2e}"
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric.endswith("/s") or "accuracy" in metric
+
+
+def ratio_metric(metric: str) -> bool:
+    """Whether ``x baseline`` ratios mean anything for the metric: times and rates."""
+    return metric in ("ms", "us", "s", "ms/step", "us/step") or metric.endswith("/s")
+
+
+def ordered(values, order: Sequence[str] = ()):
+    """Distinct values: those in ``order`` first, in its order, then the rest as first seen."""
+    seen = list(dict.fromkeys(values))
+    rank = {v: i for i, v in enumerate(order)}
+    return sorted(seen, key=lambda v: (0, rank[v]) if v in rank else (1, seen.index(v)))
+
+
+def sort_keys(keys: List[tuple], names: Sequence[str], orders: Dict[str, Sequence[str]]) -> List[tuple]:
+    ranks = []
+    for i, name in enumerate(names):
+        values = ordered([k[i] for k in keys], orders.get(name, ()))
+        ranks.append({v: j for j, v in enumerate(values)})
+    return sorted(dict.fromkeys(keys), key=lambda k: [ranks[i][v] for i, v in enumerate(k)])
+
+
+@dataclass
+class Table:
+    header: List[str]
+    lines: List[list]
+    ratios: Dict[str, Dict[tuple, float]]  # ratio column -> {index key: ratio}
+    keys: List[tuple]
+
+
+def build_table(rows: List[dict], index: Sequence[str], column: str, baseline: Optional[str],
+                orders: Dict[str, Sequence[str]], with_runs: bool, stat: str = "p50") -> Table:
+    """The pivot of ``rows``: a line per ``index`` tuple, a column per ``column`` value (the baseline's
+    first), ``x <baseline>`` columns after them, and a ``run`` column when the lines come from several runs."""
+    metric = rows[0]["metric"]
+    keys = sort_keys([tuple(r[k] for k in index) for r in rows], index, orders)
+    cols = ordered([r[column] for r in rows], orders.get(column, ()))
+    if baseline in cols:
+        cols.remove(baseline)
+        cols.insert(0, baseline)
+    cell = {(tuple(r[k] for k in index), r[column]): r[stat] for r in rows}
+    runs = {}
+    for r in rows:
+        runs.setdefault(tuple(r[k] for k in index), []).append(r["run"])
+    hib = higher_is_better(metric)
+    ratio_cols = [c for c in cols if baseline in cols and c != baseline]
+    ratios: Dict[str, Dict[tuple, float]] = {f"{c} x {baseline}": {} for c in ratio_cols}
+    lines = []
+    for key in keys:
+        line = list(key) + [num(cell.get((key, c)), metric) for c in cols]
+        base = cell.get((key, baseline))
+        for c in ratio_cols:
+            v = cell.get((key, c))
+            if v is None or not base or (not v and not hib):
+                line.append("")
+                continue
+            ratio = v / base if hib else base / v
+            ratios[f"{c} x {baseline}"][key] = ratio
+            line.append(f"{ratio:.2f}")
+        if with_runs:
+            line.append(", ".join(f"`{r}`" for r in dict.fromkeys(runs[key])))
+        lines.append(line)
+    header = list(index) + [str(c) for c in cols] + list(ratios) + (["run"] if with_runs else [])
+    return Table(header, lines, ratios, keys)
+
+
+def select(rows: List[dict], **where) -> List[dict]:
+    def match(r):
+        return all(r.get(k) in v if isinstance(v, (tuple, list, set)) else r.get(k) == v for k, v in where.items())
+
+    return [r for r in rows if match(r)]
+
+
+def render_view(res: Results, spec: Spec, view: View) -> Tuple[List[str], set]:
+    """Markdown blocks of one view, and the (op, metric) pairs it covered."""
+    rows = select(res.rows, metric=view.metric)
+    if view.ops is not None:
+        rows = select(rows, op=view.ops)
+    if not rows:
+        return [], set()
+    out, covered = [], set()
+    splits = sort_keys([tuple(r[k] for k in view.split) for r in rows], view.split, spec.orders)
+    for part in splits:
+        sub = [r for r in rows if tuple(r[k] for k in view.split) == part]
+        ops = list(dict.fromkeys(r["op"] for r in sub))
+        covered |= {(op, view.metric) for op in ops}
+        baseline = view.baseline
+        if baseline == OP_BASELINE:
+            named = {res.baselines.get(op) for op in ops}
+            baseline = named.pop() if len(named) == 1 else None
+        if not ratio_metric(view.metric) and view.baseline == OP_BASELINE:
+            baseline = None
+        with_runs = len({r["run"] for r in sub}) > 1
+        table = build_table(sub, view.index, view.column, baseline, spec.orders, with_runs)
+        names = dict(zip(view.split, part), metric=view.metric)
+        title = (view.title or ", ".join(str(v) for v in part) + (": " if part else "") + "{metric}").format(**names)
+        out += [f"### {title}", ""]
+        if view.note:
+            out += [view.note, ""]
+        out += [markdown_table(table.header, table.lines), ""]
+        out += geomean_lines(table, view)
+    return out, covered
+
+
+def geomean_lines(table: Table, view: View) -> List[str]:
+    if not view.geomean_by or not table.ratios or len(table.keys) < 2:
+        return []
+    pos = [view.index.index(k) for k in view.geomean_by]
+    out = []
+    for col, by_key in table.ratios.items():
+        groups: Dict[tuple, List[float]] = {}
+        for key, ratio in by_key.items():
+            groups.setdefault(tuple(key[i] for i in pos), []).append(ratio)
+        for group, ratios in groups.items():
+            if len(ratios) < 2:
+                continue
+            label = ", ".join(map(str, group))
+            out.append(f"- {col}, {label}: geometric mean **{geomean(ratios):.2f}** over {len(ratios)} lines")
+    return out + [""] if out else []
+
+
+def default_views(res: Results, skip: set, hide: Sequence[str]) -> List[View]:
+    """A view per (op, metric) not yet shown: index the keys that vary, providers as columns."""
+    views = []
+    pairs = list(dict.fromkeys((r["op"], r["metric"]) for r in res.rows))
+    for op, metric in pairs:
+        if (op, metric) in skip or metric in hide:
+            continue
+        rows = select(res.rows, op=op, metric=metric)
+        index = tuple(k for k in ("shape", "dtype", "mode") if len({r[k] for r in rows}) > 1) or ("shape",)
+        views.append(View(metric, index=index, ops=(op,), title=f"{op}: {metric}"))
+    return views
+
+
+def environment_lines(res: Results) -> List[str]:
+    used = list(dict.fromkeys([r["run"] for r in res.rows] + [f["run"] for f in res.failed]))
+    out = []
+    for run in used:
+        e = res.runs.get(run, {})
+        dirty = {True: "dirty", False: "clean", None: "dirty: unknown"}.get(e.get("dirty"), f"dirty: {e.get('dirty')}")
+        parts = [e.get("gpu", "?")]
+        if e.get("driver"):
+            parts.append(f"driver {e['driver']}")
+        parts += [f"torch {e.get('torch')}", f"triton {e.get('triton')}", f"CUDA {e.get('cuda')}",
+                  f"Python {e.get('python')}"]
+        date = e.get("date") or "date not recorded"
+        line = f"- `{run}`: {', '.join(parts)}; commit `{e.get('commit')}` ({dirty}); {date}"
+        if e.get("converted_from"):
+            line += f"; converted from `{e['converted_from']}`"
+        extra = {k: v for k, v in e.items() if k not in STANDARD_ENV and v not in (None, "", False)}
+        for k, v in extra.items():
+            text = "; ".join(" ".join(part.split()) for part in str(v).strip().splitlines())
+            line += f"; {k}: {text}"
+        out.append(line)
+    return out
+
+
+def has_plot(res: Results, spec: Spec) -> bool:
+    return spec.plot is not None and bool(select(res.rows, metric=spec.plot.metric, **spec.plot.where))
+
+
+def render_study(res: Results, spec: Optional[Spec] = None) -> str:
+    """The markdown page of one study (its plot, when it has one, is ``<study>.png`` beside it)."""
+    spec = spec or SPECS.get(res.study) or Spec(title=res.study, prose="")
+    out = [f"# {spec.title}", "",
+           f"_Generated by `python -m experiments.report` from `results/{res.study}.json` (study `{res.study}`); "
+           "do not edit by hand._", ""]
+    if spec.prose:
+        out += [spec.prose, ""]
+    if spec.command:
+        out += [f"Re-measure: `{spec.command}` (on a GPU machine), then `python -m experiments.report`.", ""]
+    if has_plot(res, spec):
+        out += [f"![{spec.title}]({res.study}.png)", ""]
+    covered: set = set()
+    for view in spec.views:
+        blocks, seen = render_view(res, spec, view)
+        out += blocks
+        covered |= seen
+    for view in default_views(res, covered, spec.hide):
+        out += render_view(res, spec, view)[0]
+    if res.failed:
+        out += ["### Not measured", "", "Configurations that failed (the error's first line):", "",
+                markdown_table(["op", "provider", "shape", "dtype", "mode", "error", "run"],
+                               [[f.get(k, "") for k in ("op", "provider", "shape", "dtype", "mode")]
+                                + [f"`{f.get('error', '')}`", f"`{f.get('run')}`"] for f in res.failed]), ""]
+    out += ["### Runs", "", "Each row of the results names the run that measured it:", ""]
+    out += environment_lines(res)
+    return "\n".join(out).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------------
+
+
+def tick_label(group: tuple) -> str:
+    """A cluster's label, a line per key; a value that begins another ("resnet50", "resnet50 train") is
+    left out, and spaces break lines."""
+    parts = [str(v) for v in group]
+    kept = [p for i, p in enumerate(parts) if not any(q.startswith(p + " ") for j, q in enumerate(parts) if j != i)]
+    return "\n".join(p.replace(" ", "\n") if len(p) > 16 else p for p in kept)
+
+
+def plot_study(res: Results, spec: Spec, path: Path) -> Optional[Path]:
+    """The study's bar chart (``spec.plot``) as a PNG; None when there is nothing to plot."""
+    if not has_plot(res, spec):
+        return None
+    p = spec.plot
+    rows = select(res.rows, metric=p.metric, **p.where)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = ["default", "reduce-overhead", "max-autotune"]
-    speedup = {(r["model"], r["task"], r["precision"], r["mode"]): r["speedup vs eager"] for r in data["rows"]}
-    groups = sorted({key[:3] for key in speedup if key[3] in modes and speedup[key]})
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(groups)), 4.5))
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):  # one bar per compile mode in each (model, task, precision) group
-        xs = [g + i * width for g, key in enumerate(groups) if speedup.get((*key, mode))]
-        ax.bar(xs, [speedup[(*key, mode)] for key in groups if speedup.get((*key, mode))], width, label=mode,
-               color=f"C{i}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
+    value = {(tuple(r[k] for k in p.group), tuple(r[k] for k in p.bar)): r for r in rows}
+    groups = sort_keys([g for g, _ in value], p.group, spec.orders)
+    bars = sort_keys([b for _, b in value], p.bar, spec.orders)
+    hib = higher_is_better(p.metric)
+    if p.ratio_to is not None:
+        bars = [b for b in bars if b != p.ratio_to]
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 * len(groups) + 2), 4.8))
+    width = 0.8 / max(1, len(bars))
+    for i, bar in enumerate(bars):
+        xs, ys, lo, hi = [], [], [], []
+        for g, group in enumerate(groups):
+            r = value.get((group, bar))
+            if r is None:
+                continue
+            if p.ratio_to is not None:
+                base = value.get((group, p.ratio_to))
+                if base is None or not r["p50"]:
+                    continue
+                y = r["p50"] / base["p50"] if hib else base["p50"] / r["p50"]
+                lo.append(0.0)
+                hi.append(0.0)
+            else:
+                y = r["p50"]
+                lo.append(max(0.0, y - min(r["p20"], r["p80"])))
+                hi.append(max(0.0, max(r["p20"], r["p80"]) - y))
+            xs.append(g + i * width)
+            ys.append(y)
+        if xs:
+            ax.bar(xs, ys, width, label=" ".join(map(str, bar)), color=f"C{i % 10}",
+                   yerr=None if p.ratio_to is not None else [lo, hi], capsize=2)
+    if p.ratio_to is not None:
+        ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-    ax.set_xticklabels(["\n".join(key) for key in groups], fontsize=7)
-    ax.set_ylabel("speedup vs eager (same model, task, precision)")
-    ax.set_title(f"torch.compile on {data['environment']['gpu']} (no bar: not measured)")
-    ax.legend(fontsize=8)
+    ax.set_xticklabels([tick_label(group) for group in groups], fontsize=7)
+    ax.set_ylabel(p.ylabel or p.metric)
+    gpus = sorted({str(res.runs.get(r["run"], {}).get("gpu")) for r in rows})
+    ax.set_title(f"{p.title or spec.title} on {', '.join(gpus)} (no bar: not measured)", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path = RESULTS / "compile_speedup.png"
-    fig.savefig(path, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
     return path
 
 
-def plot_matmul_relu(data):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in data["rows"] if r["dtype"] == "bf16"]
-    provs = ["fuselab", "fuselab (CUDA graph)", "torch relu(mm)", "cuBLASLt addmm+relu"]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(provs)
-    for i, p in enumerate(provs):
-        ax.bar([x + i * width for x in range(len(rows))], [r[p] for r in rows], width, label=p)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
-    ax.set_xticklabels([r["shape"].split(" ")[-1] + ("\n" + r["shape"].split(" ")[0] if " " in r["shape"] else "")
-                        for r in rows], fontsize=8)
-    ax.set_ylabel("TFLOP/s (bf16, M x N x K)")
-    ax.set_title(f"relu(a @ b [+ bias]) on {data['environment']['gpu']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = RESULTS / "matmul_relu_bf16.png"
-    fig.savefig(path, dpi=110)
-    return path
+# ----------------------------------------------------------------------------------------------
+# Headline figures (README)
+# ----------------------------------------------------------------------------------------------
 
 
-def sparse_section(data):
-    rows = data["rows"]
-    header = list(rows[0])
-    out = [env_line(data), "", f"MovieLens-100k matrix factorisation ({data.get('data', '')}), "
-           "dim 64, batch 1024, 90/10 split, same epochs for each:", "",
-           markdown_table(header, [[r[k] for k in header] for r in rows])]
-    tp = data.get("throughput")
-    if tp:
-        from sparse_embedding import THROUGHPUT_COLUMNS as header
-
-        floor = next(r for r in tp if "floor bytes" in r)
-        out += ["", "1,000,000 x 128 fp32 embedding, 65,536 random lookups a step (do_bench medians; `CUDA graph` "
-                "columns replay the same step from a captured graph, without Python's host cost):", "",
-                markdown_table(header, [[r.get(k, "") for k in header] for r in tp]), "",
-                f"Floor of SparseAdamW's step: {floor['floor bytes'] / 1e6:.0f} MB moved (the 65,536 gradient rows and "
-                f"their ids read once; p, m, v of the {floor['unique rows']} touched rows read and written once) at the "
-                f"measured copy bandwidth of {floor['copy GB/s']:.0f} GB/s = {floor['floor ms'] * 1e3:.0f} us."]
-    return "\n".join(out)
+def _date(res: Results, rows: List[dict]) -> str:
+    return max((res.runs.get(r["run"], {}).get("date") or "" for r in rows), default="")
 
 
-def host_section(data):
-    cols = ["shape", "path", "fwd us", "fwd+bwd us"]
-    engine = data["engine_thread"]
-    return "\n".join([env_line(data), "", "Wall microseconds per eager call over 500 calls, bf16, `nn.Linear` layout "
-                      "(`experiments/host_overhead.py`); at 256 tokens the GPU work is a few microseconds, so this is "
-                      "host time; at 8192 tokens (OPT's fc1) the GPU's share shows:", "",
-                      markdown_table(cols, [[r[c] for c in cols] for r in data["rows"]]), "",
-                      f"The same pure-Python loop: {engine['python loop, main thread us']:.0f} us on the main thread, "
-                      f"{engine['same loop inside a backward us']:.0f} us inside a backward (autograd's device "
-                      f"thread), {engine['slowdown']:.2f}x."])
+def _commits(res: Results, rows: List[dict]) -> str:
+    return ", ".join(dict.fromkeys(str(res.runs.get(r["run"], {}).get("commit")) for r in rows))
 
 
-def mlp_section(data):
-    rows = data["rows"]
-    header = list(rows[0])
-    note = ("On a CPU fuselab computes with PyTorch, so this shows that patching keeps accuracy, not speed."
-            if "CPU" in data["environment"]["gpu"] else "")
-    return "\n".join([env_line(data), "", markdown_table(header, [[r[k] for k in header] for r in rows]), "", note])
+def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str, **where) -> Dict[tuple, tuple]:
+    """{(shape, dtype, mode): (ratio, rows)} where both ``provider`` and ``baseline`` were measured."""
+    rows = select(res.rows, op=op, metric=metric, **where)
+    cells = {(r["shape"], r["dtype"], r["mode"], r["provider"]): r for r in rows}
+    hib = higher_is_better(metric)
+    out = {}
+    for (shape, dtype, mode, prov), r in cells.items():
+        base = cells.get((shape, dtype, mode, baseline))
+        if prov != provider or base is None or not r["p50"] or not base["p50"]:
+            continue
+        ratio = r["p50"] / base["p50"] if hib else base["p50"] / r["p50"]
+        out[(shape, dtype, mode)] = (ratio, [r, base])
+    return out
 
 
-def main():
-    data = load("matmul_relu_bench")
-    if data:
-        update_readme_section("matmul_relu", matmul_relu_section(data))
-        print(f"plot: {plot_matmul_relu(data)}")
-    data = load("matmul_relu_bench_cuda")
-    if data:
-        update_readme_section("matmul_relu_cuda", cuda_section(data, load("cuda_tiles_sweep")))
-    data = load("host_overhead_cuda")
-    if data:
-        update_readme_section("host_overhead", host_section(data))
-    data = load("compile_speedup_cuda")
-    if data:
-        update_readme_section("compile_speedup", compile_section(data))
-        print(f"plot: {plot_compile(data)}")
-    data = load("sparse_embedding_cuda") or load("sparse_embedding_cpu")
-    if data:
-        update_readme_section("sparse_embedding", sparse_section(data))
-    data = load("mlp_cuda") or load("mlp_cpu")
-    if data:
-        update_readme_section("mlp", mlp_section(data))
-    print("README.md tables regenerated from results/")
+def _latest(candidates: List[Tuple[Results, List[dict], str]]):
+    """The candidate (results, rows, text) measured last."""
+    candidates = [c for c in candidates if c[1]]
+    return max(candidates, key=lambda c: _date(c[0], c[1])) if candidates else None
+
+
+def _where(res: Results, rows: List[dict]) -> str:
+    gpus = ", ".join(dict.fromkeys(str(res.runs.get(r["run"], {}).get("gpu")) for r in rows))
+    return f"[{res.study}](docs/results/{res.study}.md): {gpus}, commit {_commits(res, rows)}"
+
+
+def r_dtype(found: Dict[tuple, tuple], shape: str, mode: str) -> str:
+    return next(k[1] for k in found if k[0] == shape and k[2] == mode)
+
+
+def sparse_headline(res: Results) -> Optional[List[str]]:
+    """SparseAdamW against SparseAdam, the whole training step of the largest shape measured, per mode;
+    SparseAdam cannot be replayed from a CUDA graph (its coalesce() waits for the host), so a mode it
+    lacks is compared with its eager time, and says so."""
+    ops = [op for op, base in res.baselines.items() if base == "SparseAdam"]
+    for op in sorted(ops, key=lambda o: (o != "fwd+bwd+step", o != "step")):
+        for metric in ("ms", "ms/step"):
+            rows = select(res.rows, op=op, metric=metric, provider=("SparseAdamW", "SparseAdam"))
+            if not {"SparseAdamW", "SparseAdam"} <= {r["provider"] for r in rows}:
+                continue
+            shape = rows[-1]["shape"]
+            cells = {(r["provider"], r["mode"]): r for r in rows if r["shape"] == shape}
+            parts, used = [], []
+            for mode in ordered([m for p, m in cells if p == "SparseAdamW"], ("eager", "graph", "wall")):
+                mine = cells[("SparseAdamW", mode)]
+                base = cells.get(("SparseAdam", mode)) or cells.get(("SparseAdam", "eager"))
+                if base is None or not mine["p50"]:
+                    continue
+                vs = "" if base["mode"] == mode else f" (vs SparseAdam {base['mode']}: not measured in {mode} mode)"
+                parts.append(f"{base['p50'] / mine['p50']:.2f}x {mode}{vs}")
+                used += [mine, base]
+            if parts:
+                return [f"SparseAdamW vs torch.optim.SparseAdam, {op}, {shape}", "; ".join(parts), _where(res, used)]
+    return None
+
+
+def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
+    """[figure, value, where] lines of the README's headline table, from whatever results exist."""
+    out = []
+
+    def gemm(op, provider, baseline, label, dtype="bf16"):
+        cands = []
+        for name in ("matmul_relu", "matmul_relu_cuda"):
+            res = studies.get(name)
+            if res is None:
+                continue
+            by_mode, used = {}, []
+            for (shape, dt, mode), (ratio, rows) in _ratio_rows(res, op, provider, baseline, "TFLOP/s",
+                                                                 dtype=dtype).items():
+                by_mode.setdefault(mode, []).append(ratio)
+                used += rows
+            text = "; ".join(f"{geomean(v):.2f}x {mode} ({len(v)} shapes)"
+                             for mode, v in sorted(by_mode.items(), key=lambda kv: ["eager", "graph"].index(kv[0])
+                                                   if kv[0] in ("eager", "graph") else 9))
+            cands.append((res, used, text))
+        best = _latest(cands)
+        if best:
+            out.append([label, best[2], _where(best[0], best[1])])
+
+    gemm("fwd", "fuselab", "cuBLASLt", "Fused GEMM+bias+ReLU vs cuBLASLt's fused epilogue, bf16 (geometric mean)")
+    gemm("fwd+bwd", "fuselab", "autograd", "Forward+backward vs PyTorch autograd, bf16 (geometric mean)")
+    cuda = studies.get("matmul_relu_cuda")
+    if cuda is not None:
+        found = _ratio_rows(cuda, "fwd", "CUDA wgmma", "cuBLASLt", "TFLOP/s", dtype="bf16")
+        if found:
+            rows = [r for _, rs in found.values() for r in rs]
+            out.append(["CUDA C++ reference (wgmma) vs cuBLASLt, bf16 (geometric mean)",
+                        f"{geomean([v for v, _ in found.values()]):.2f}x ({len(found)} shapes)", _where(cuda, rows)])
+    comp = studies.get("compile_speedup")
+    if comp is not None:
+        found = _ratio_rows(comp, "opt train", "opt+fuselab", "opt", "ms/step", dtype="bf16")
+        modes = [m for m in COMPILE_ORDERS["mode"] if any(k[2] == m for k in found)]
+        if found:
+            text = "; ".join(f"{found[k][0]:.2f}x {k[2]}" for m in modes for k in found if k[2] == m)
+            rows = [r for _, rs in found.values() for r in rs]
+            out.append(["OPT-style decoder training, bf16: patched by fuse_linear_relu vs stock", text,
+                        _where(comp, rows)])
+        parts, rows = [], []
+        for op, provider in (("resnet50 train", "resnet50"), ("opt train", "opt")):
+            rs = select(comp.rows, op=op, provider=provider, dtype="bf16", metric="ms/step")
+            eager = {r["shape"]: r for r in rs if r["mode"] == "eager"}
+            best = [(eager[r["shape"]]["p50"] / r["p50"], r) for r in rs
+                    if r["mode"] != "eager" and r["shape"] in eager]
+            if best:
+                speed, r = max(best, key=lambda b: b[0])
+                parts.append(f"{provider} {speed:.2f}x ({r['mode']})")
+                rows += [r, eager[r["shape"]]]
+        if parts:
+            out.append(["torch.compile vs eager, bf16 training, best mode", "; ".join(parts), _where(comp, rows)])
+    host = studies.get("host_overhead")
+    if host is not None:
+        parts, rows, shapes = [], [], set()
+        for op in ("fwd", "fwd+bwd"):
+            found = _ratio_rows(host, op, "fuselab", "relu(addmm)", "us")
+            if not found:
+                continue
+            shape = min({k[0] for k in found}, key=lambda s: int(s.split("x")[0]) if s.split("x")[0].isdigit() else 0)
+            modes = [k[2] for k in found if k[0] == shape]
+            mode = next((m for m in ("host", "loop", "eager", "wall") if m in modes), modes[0])
+            _, (r, base) = found[(shape, r_dtype(found, shape, mode), mode)]
+            parts.append(f"{op} {r['p50']:.0f} vs {base['p50']:.0f} us ({mode} mode)")
+            rows += [r, base]
+            shapes.add(shape)
+        if parts:
+            out.append([f"Host time per eager call at {', '.join(sorted(shapes))}: fuselab vs torch relu(addmm)",
+                        "; ".join(parts), _where(host, rows)])
+    sparse = studies.get("sparse_embedding")
+    if sparse is not None:
+        line = sparse_headline(sparse)
+        if line:
+            out.append(line)
+    mlp = studies.get("train_mlp")
+    if mlp is not None:
+        for op in ("train on cuda", "train on cpu"):
+            rs = select(mlp.rows, op=op, metric="test accuracy")
+            if rs:
+                acc = {r["provider"]: r for r in rs}
+                text = ", ".join(f"{p} {r['p50']:.3f}" for p, r in acc.items())
+                epochs = rs[0].get("epochs")
+                out.append([f"MLP test accuracy ({rs[0]['shape'].split(',')[0]}, {epochs} epochs, {op})", text,
+                            _where(mlp, rs)])
+                break
+    return out
+
+
+def headline(studies: Dict[str, Results]) -> str:
+    rows = headline_rows(studies)
+    if not rows:
+        return "_No results yet: run the experiments with `--results`, then `python -m experiments.report`._"
+    note = ("_Generated by `python -m experiments.report` from `results/*.json`; every figure is the most recent "
+            "measurement, `x` above 1 is faster than the peer. Per-study tables, plots and environments: "
+            "[docs/results](docs/results/README.md)._")
+    return markdown_table(["figure", "value", "measured"], rows) + "\n\n" + note
+
+
+def update_readme(readme: Path, text: str) -> None:
+    """Replace what stands between the headline markers; a clear error when they are missing."""
+    content = readme.read_text()
+    if content.count(HEADLINE_BEGIN) != 1 or content.count(HEADLINE_END) != 1 \
+            or content.index(HEADLINE_BEGIN) > content.index(HEADLINE_END):
+        raise SystemExit(f"{readme} needs exactly one `{HEADLINE_BEGIN}` followed by one `{HEADLINE_END}` where the "
+                         "headline table goes; add them (or pass --no-readme to regenerate the docs only)")
+    head, rest = content.split(HEADLINE_BEGIN, 1)
+    new = head + HEADLINE_BEGIN + "\n" + text.strip() + "\n" + HEADLINE_END + rest.split(HEADLINE_END, 1)[1]
+    if new != content:
+        readme.write_text(new)
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+
+
+def load_all(results_dir: Path = RESULTS, strict: bool = False) -> Dict[str, Results]:
+    """Every results/*.json in the long format, by study; another file is reported (an error if ``strict``)."""
+    studies = {}
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            res = Results.load(path)
+        except (ValueError, KeyError) as e:
+            if strict:
+                raise
+            print(f"skipped {path}: {e}", file=sys.stderr)
+            continue
+        if res.study in studies:
+            raise SystemExit(f"two files hold study {res.study!r}: rename one to results/{res.study}.json")
+        studies[res.study] = res
+    return studies
+
+
+def index_page(studies: Dict[str, Results]) -> str:
+    lines = []
+    for name, res in sorted(studies.items()):
+        spec = SPECS.get(name)
+        runs = {r["run"] for r in res.rows}
+        dates = sorted(d for d in (res.runs.get(r, {}).get("date") for r in runs) if d)
+        converted = sum(1 for r in runs if res.runs.get(r, {}).get("converted_from"))
+        lines.append([f"[{spec.title if spec else name}]({name}.md)", f"`{name}`", str(len(res.rows)),
+                      f"{len(runs)}" + (f" ({converted} converted)" if converted else ""),
+                      dates[-1][:10] if dates else "?"])
+    return "\n".join([
+        "# Results", "",
+        "_Generated by `python -m experiments.report`; do not edit by hand._", "",
+        "Every experiment writes its measurements in one long format (`fuselab-results/1`, "
+        "`experiments/harness.py`): one row per measurement `{study, op, provider, shape, dtype, mode, metric, "
+        "p20, p50, p80, run}`, each `run` naming the environment it was measured in (GPU, driver, torch, "
+        "triton, CUDA, commit and a `dirty` flag, date). Each op names a baseline provider; the `x <baseline>` "
+        "ratios in these pages are computed from the medians when the pages are generated, never stored.", "",
+        "The committed files are `results/<study>.json`; a script writes them only with `--results` (by "
+        "default it writes `runs/<study>.json`, which git ignores), atomically, and with `--merge` keeps the "
+        "rows of earlier runs that it does not measure again. Runs marked `converted from` were measured "
+        "before the harness existed and converted from the old files (their commit, date and GPU kept; their "
+        "times were medians or means, so p20 = p50 = p80 there, and their stored ratios were dropped).", "",
+        markdown_table(["study", "name", "rows", "runs", "latest"], lines), ""])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--docs", type=Path, default=DOCS, help="where <study>.md, <study>.png and README.md go")
+    p.add_argument("--readme", type=Path, default=README, help="the README whose headline section is filled")
+    p.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    studies = load_all(args.results_dir)
+    if not studies:
+        raise SystemExit(f"no results in {args.results_dir}")
+    args.docs.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, res in studies.items():
+        spec = SPECS.get(name) or Spec(title=name, prose="")
+        png = None if args.no_plots else plot_study(res, spec, args.docs / f"{name}.png")
+        page = args.docs / f"{name}.md"
+        page.write_text(render_study(res, spec))
+        written += [page] + ([png] if png else [])
+    index = args.docs / "README.md"
+    index.write_text(index_page(studies))
+    written.append(index)
+    for path in written:
+        print(f"wrote {path}")
+    if not args.no_readme:
+        update_readme(args.readme, headline(studies))
+        print(f"updated {args.readme} (headline section)")
+    return written
 
 
 if __name__ == "__main__":

@@ -1,108 +1,138 @@
 """An MLP classifier trained stock and with ``fuse_linear_relu``: equal accuracy, time per step.
 
-Data: Fashion-MNIST from ``--data`` (the idx files, as Debian's ``dataset-fashion-mnist`` installs
-them under /usr/share/datasets/fashion-mnist, or a torchvision ``FashionMNIST`` root); when it
-cannot be had, scikit-learn's bundled 8x8 digits, and the output says so.
+Data: Fashion-MNIST through ``experiments.data.fashion_mnist``. ``--data`` names a folder of Debian's
+four idx ``*-ubyte.gz`` files or a torchvision ``FashionMNIST`` root; a ``--data`` that is missing or
+corrupt is an error. Without ``--data`` the default (/usr/share/datasets/fashion-mnist, installed by
+``make data``) is read, and where it is absent scikit-learn's bundled 8x8 digits are used instead:
+the output says so and the rows name the data.
 
-    python experiments/train_mlp.py --epochs 3
+Study ``train_mlp`` (long format, ``experiments/harness.py``): op ``train on <device>``; providers
+``stock`` (nn.Linear + nn.ReLU, the baseline) and ``fuse_linear_relu`` (the same initial weights,
+patched); shape ``<data>, <layer widths>, batch <b>``; metrics ``test accuracy`` after ``--epochs``
+and ``ms/step`` (wall mode: one AdamW step on a training batch, synchronized, timed after training).
+
+    python -m experiments.train_mlp --epochs 3             # writes runs/train_mlp.json
+    python -m experiments.train_mlp --epochs 3 --results   # writes results/train_mlp.json (the docs' source)
 """
 import argparse
 import copy
-import sys
-import time
-from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments import data as datasets
+from experiments.harness import (
+    Providers,
+    Results,
+    add_output_args,
+    cycle,
+    output_path,
+    pivot,
+    positive_float,
+    positive_int,
+    require_cuda,
+    time_call,
+)
 
-from fuselab.nn import fuse_linear_relu  # noqa: E402
-from fuselab.report import RESULTS, markdown_table, save_json  # noqa: E402
-
-DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
-
-
-def load_fashion_mnist(root: Path):
-    """Train/test tensors through torchvision's own FashionMNIST loader.
-
-    A folder holding the four ``*-ubyte.gz`` files (Debian's layout) is unpacked once into
-    ``~/.cache/fuselab/FashionMNIST/raw``, the layout torchvision reads.
-    """
-    from torchvision.datasets import FashionMNIST
-    from torchvision.datasets.utils import extract_archive
-
-    if (root / "train-images-idx3-ubyte.gz").exists():
-        cache = Path.home() / ".cache" / "fuselab"
-        raw = cache / "FashionMNIST" / "raw"
-        raw.mkdir(parents=True, exist_ok=True)
-        for gz in root.glob("*-ubyte.gz"):
-            if not (raw / gz.stem).exists():
-                extract_archive(str(gz), str(raw))
-        root = cache
-    splits = [FashionMNIST(str(root), train=train, download=False) for train in (True, False)]
-    return [(ds.data.float().div(255).flatten(1), ds.targets) for ds in splits], "Fashion-MNIST"
+STUDY = "train_mlp"
+PROVIDERS = Providers()
 
 
-def load_digits():
-    from sklearn.datasets import load_digits as sk_digits
-
-    x, y = sk_digits(return_X_y=True)
-    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
-    return [(x[:1500], y[:1500]), (x[1500:], y[1500:])], "sklearn digits (Fashion-MNIST not found)"
+@PROVIDERS.register("stock", baseline=True)
+def stock(model: nn.Module) -> nn.Module:
+    return model
 
 
-def train(model, data, epochs, batch, device, desc):
-    (x, y), (xt, yt) = [(a.to(device), b.to(device)) for a, b in data]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+@PROVIDERS.register("fuse_linear_relu")
+def fused(model: nn.Module) -> nn.Module:
+    from fuselab.nn import fuse_linear_relu
+
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    print(report)
+    return patched
+
+
+def load(path):
+    """((train x, y), (test x, y)) as float features in [0, 1], and the data's name. ``path`` None:
+    the default Fashion-MNIST, else scikit-learn's digits (said on the output)."""
+    try:
+        splits = datasets.fashion_mnist(datasets.FASHION_MNIST if path is None else path)
+    except datasets.DataNotFound as e:
+        if path is not None:
+            raise
+        print(f"Fashion-MNIST not found ({e}).\nUsing scikit-learn's 8x8 digits instead; pass --data or run "
+              "`make data` for Fashion-MNIST.")
+        return datasets.digits(), "sklearn digits"
+    return [(x.float().div(255).flatten(1), y) for x, y in splits], "Fashion-MNIST"
+
+
+def train(model, splits, epochs, batch, lr, device):
+    """Train ``epochs`` epochs with AdamW; (test accuracy, the training step, batches to time it on)."""
+    (x, y), (xt, yt) = [(a.to(device), b.to(device)) for a, b in splits]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
-    step_times = []  # of the last epoch only: earlier ones include autotuning and warm-up
-    for _ in tqdm(range(epochs), desc=desc):
-        step_times.clear()
+
+    def step(xb, yb):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+
+    for _ in range(epochs):
         for idx in torch.randperm(len(x), generator=gen).to(device).split(batch):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - t0)
+            step(x[idx], y[idx])
+    model.eval()
     with torch.no_grad():
         acc = (model(xt).argmax(1) == yt).float().mean().item()
-    return acc, sum(step_times) / len(step_times) * 1e3
+    model.train()
+    batches = [(x[idx], y[idx]) for idx in torch.randperm(len(x), generator=gen).to(device).split(batch)[:16]
+               if len(idx) == batch] or [(x[:batch], y[:batch])]
+    return acc, step, batches
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=DEBIAN_FASHION_MNIST)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--data", type=str, default=None,
+                   help="Fashion-MNIST folder (Debian idx .gz files or a torchvision root); an error if missing "
+                        f"or corrupt. Default: {datasets.FASHION_MNIST}, else scikit-learn's digits")
+    p.add_argument("--epochs", type=positive_int, default=3)
+    p.add_argument("--batch", type=positive_int, default=256)
+    p.add_argument("--hidden", type=positive_int, default=512)
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW's learning rate")
+    p.add_argument("--timed-steps", type=positive_int, default=20, help="training steps timed after training")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    add_output_args(p)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
     try:
-        data, name = load_fashion_mnist(args.data)
-    except (RuntimeError, OSError) as e:
-        print(f"Fashion-MNIST not available at {args.data} ({e}); using scikit-learn's digits instead.")
-        data, name = load_digits()
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda":
+        require_cuda("train_mlp --device cuda")
+    out = output_path(args, STUDY)
+    try:
+        splits, name = load(args.data)
+    except datasets.DataNotFound as e:
+        p.error(f"--data {args.data}: {e}")
+
     torch.manual_seed(0)
-    d_in, h = data[0][0].shape[1], args.hidden
-    stock = nn.Sequential(nn.Linear(d_in, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10)).to(device)
-    patched, report = fuse_linear_relu(copy.deepcopy(stock))
-    print(report)
-    rows = []
-    for label, model in [("stock nn.Linear + ReLU", stock), ("fuse_linear_relu", patched)]:
-        acc, ms = train(model, data, args.epochs, args.batch, device, label)
-        rows.append({"model": label, "data": name, "epochs": args.epochs, "test accuracy": acc, "ms/step (last epoch)": ms})
-    header = list(rows[0])
-    print(markdown_table(header, [[r[k] for k in header] for r in rows]))
-    print(f"saved {save_json(f'mlp_{device.type}', rows, {'fusion': str(report)}, out_dir=args.out)}")
-    return rows
+    d_in, h = splits[0][0].shape[1], args.hidden
+    base = nn.Sequential(nn.Linear(d_in, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10)).to(device)
+    initial = copy.deepcopy(base)  # every provider starts from the same weights
+    results = Results(STUDY)
+    results.annotate(data=name if args.data is None else f"{name} ({args.data})")
+    results.set_baseline(f"train on {device.type}", PROVIDERS)
+    op, shape = f"train on {device.type}", f"{name}, {d_in}-{h}-{h}-10, batch {args.batch}"
+    for provider, make in PROVIDERS.select(None).items():
+        model = make(copy.deepcopy(initial))
+        acc, step, batches = train(model, splits, args.epochs, args.batch, args.lr, device)
+        keys = dict(op=op, provider=provider, shape=shape, dtype="fp32", mode="wall", epochs=args.epochs)
+        results.record(metric="test accuracy", value=acc, **keys)
+        timing = time_call(cycle(step, batches), "wall", iters=args.timed_steps, warmup_iters=2)
+        results.record(metric="ms/step", value=timing, **keys)
+    for metric in ("test accuracy", "ms/step"):
+        print(f"\n{metric}:\n" + pivot(results.select(metric=metric), ["op", "shape"], baseline=None))
+    print(f"saved {results.save(out, merge=args.merge)}")
+    return results
 
 
 if __name__ == "__main__":

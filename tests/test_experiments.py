@@ -1,85 +1,317 @@
-"""The experiment scripts run end to end on small inputs (CPU)."""
+"""The experiment harness, the scripts' command lines and outputs, and the report, on a CPU."""
 import json
-import sys
+import shutil
 from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+from experiments import bench_matmul_relu, compile_speedup, harness, host_overhead, report, sweep_cuda_tiles, train_mlp
+from experiments import data as datasets
+from experiments.harness import Providers, Results, Timing
 
-
-def test_train_mlp_digits_fallback(tmp_path, capsys):
-    import train_mlp
-
-    rows = train_mlp.main(["--data", str(tmp_path / "missing"), "--epochs", "3", "--batch", "32", "--hidden", "32",
-                           "--device", "cpu", "--out", str(tmp_path)])
-    assert "scikit-learn's digits" in capsys.readouterr().out
-    stock, fused = (r["test accuracy"] for r in rows)
-    assert stock > 0.7 and abs(stock - fused) < 0.05
-    saved = json.loads((tmp_path / "mlp_cpu.json").read_text())
-    assert saved["environment"]["git_commit"] and len(saved["rows"]) == 2
+COMMITTED = sorted(harness.RESULTS.glob("*.json"))
 
 
-def test_bench_refuses_without_gpu():
-    import torch
+@pytest.fixture
+def outdirs(tmp_path, monkeypatch):
+    """runs/ and results/ redirected: a test never writes the repository's files."""
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    monkeypatch.setattr(harness, "RUNS", runs)
+    monkeypatch.setattr(harness, "RESULTS", results)
+    return runs, results
 
+
+@pytest.fixture
+def no_fashion_mnist(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets, "FASHION_MNIST", tmp_path / "no-fashion-mnist")
+    monkeypatch.setattr(datasets, "CACHE", tmp_path / "cache")
+
+
+def usage_error(capsys, main, argv):
+    """main(argv) must stop with argparse's usage error (exit status 2); its message."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2, f"{argv}: exit status {exc.value.code}, not a usage error"
+    return capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness
+# ----------------------------------------------------------------------------------------------
+
+
+def test_timing_quantiles_and_conversions():
+    t = Timing.of([float(v) for v in [7, 1, 9, 3, 5, 2, 10, 4, 8, 6]])
+    assert (t.p20, t.p50, t.p80) == (3.0, 6.0, 9.0)
+    assert Timing.of([2.5]) == Timing(2.5, 2.5, 2.5) == Timing.exact(2.5)
+    rate = Timing(1.0, 2.0, 4.0).scaled(8.0)  # work / time: the fastest time is the highest rate
+    assert (rate.p20, rate.p50, rate.p80) == (2.0, 4.0, 8.0)
+    assert Timing(1.0, 2.0, 4.0).converted(1e3) == Timing(1e3, 2e3, 4e3)
+
+
+def test_time_call_on_a_cpu():
+    calls = []
+    for mode in ("wall", "host"):
+        t = harness.time_call(lambda: calls.append(1), mode, iters=20, warmup_iters=2)
+        assert 0 <= t.p20 <= t.p50 <= t.p80
+    assert len(calls) >= 2 * (1 + 2 + 20)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        harness.time_call(lambda: None, "turbo")
+    if not torch.cuda.is_available():
+        for mode in ("eager", "graph"):
+            with pytest.raises(RuntimeError, match="needs a CUDA device"):
+                harness.time_call(lambda: None, mode)
+    # grad_to_none: each timed backward writes its gradient instead of accumulating into the last one
+    x = torch.ones(3, requires_grad=True)
+    harness.time_call(lambda: (2 * x).sum().backward(), "wall", iters=5, grad_to_none=[x])
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_rotating_inputs_exceed_the_budget_and_cycle():
+    sets = harness.rotating(lambda: (torch.empty(256),), min_bytes=4096)  # 1 KiB a set
+    assert len(sets) == 4 and len({s[0].data_ptr() for s in sets}) == 4
+    assert len(harness.rotating(lambda: (torch.empty(256),), min_bytes=2**30, max_sets=3)) == 3
+    seen = []
+    call = harness.cycle(lambda t: seen.append(t.data_ptr()), sets)
+    for _ in range(8):
+        call()
+    assert seen == [s[0].data_ptr() for s in sets] * 2
+    assert harness.rel_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0
+    assert harness.rel_error(torch.tensor([3.0, 4.0]), torch.zeros(2)) == 5.0
+
+
+def test_providers_baseline_rules():
+    p = Providers()
+    p.register("base", baseline=True)(lambda: 1)
+    p.register("other")(lambda: 2)
+    assert p.baseline == "base" and list(p.select(None)) == ["base", "other"]
+    with pytest.raises(ValueError, match="two baselines"):
+        p.register("second", baseline=True)(lambda: 3)
+    with pytest.raises(ValueError, match="registered twice"):
+        p.register("other")(lambda: 4)
+    with pytest.raises(ValueError, match=r"unknown provider\(s\) \['nope'\]"):
+        p.select(["nope"])
+    res = Results("s")
+    res.set_baseline("op", p)
+    assert res.baselines == {"op": "base"}
+    with pytest.raises(ValueError, match="no baseline"):
+        res.set_baseline("op", Providers())
+    # every script's registries name exactly one baseline, the peer its ratios are taken against
+    assert (bench_matmul_relu.FWD.baseline, bench_matmul_relu.NO_BIAS.baseline, bench_matmul_relu.FWD_BWD.baseline) \
+        == ("cuBLASLt", "relu(mm)", "autograd")
+    assert compile_speedup.OPT.baseline == "opt" and host_overhead.CALLS.baseline == "relu(addmm)"
+    assert train_mlp.PROVIDERS.baseline == "stock" and sweep_cuda_tiles.PROVIDERS.baseline == "cuBLAS relu(mm)"
+
+
+def _row(res, provider, value, metric="ms", mode="eager", **keys):
+    res.record(op=keys.pop("op", "fwd"), provider=provider, shape=keys.pop("shape", "8x8x8"), dtype="bf16",
+               mode=mode, metric=metric, value=value, **keys)
+
+
+def test_results_save_merge_load_round_trip(tmp_path):
+    path = tmp_path / "s.json"
+    first = Results("s")
+    first.set_baseline("fwd", "base")
+    _row(first, "base", Timing(1.0, 2.0, 3.0))
+    _row(first, "new", 1.0)
+    _row(first, "new", 5.0, shape="16x16x16")
+    first.fail(op="fwd", provider="new", shape="32x32x32", dtype="bf16", mode="graph", error=RuntimeError("oom\nmore"))
+    first.save(path)
+    loaded = Results.load(path)
+    assert loaded.to_json() == json.loads(path.read_text()) == first.to_json()
+    assert loaded.failed[0]["error"] == "RuntimeError: oom" and loaded.rows[0]["p20"] == 1.0
+    assert set(loaded.runs) == {first.run_id} and loaded.runs[first.run_id]["commit"]
+
+    second = Results("s")  # re-measures one row and the failed configuration; merges
+    _row(second, "new", 0.5)
+    _row(second, "new", 9.0, shape="32x32x32", mode="graph")
+    second.save(path, merge=True)
+    merged = Results.load(path)
+    values = {(r["provider"], r["shape"], r["mode"]): (r["p50"], r["run"]) for r in merged.rows}
+    assert values == {("base", "8x8x8", "eager"): (2.0, first.run_id),
+                      ("new", "16x16x16", "eager"): (5.0, first.run_id),
+                      ("new", "8x8x8", "eager"): (0.5, second.run_id),
+                      ("new", "32x32x32", "graph"): (9.0, second.run_id)}
+    assert merged.failed == [] and merged.baselines == {"fwd": "base"}
+    assert set(merged.runs) == {first.run_id, second.run_id}
+
+    alone = Results("s")  # without merge a run stands alone, and runs no row uses are dropped
+    _row(alone, "base", 1.0)
+    alone.save(path)
+    reloaded = Results.load(path)
+    assert [r["run"] for r in reloaded.rows] == [alone.run_id] and list(reloaded.runs) == [alone.run_id]
+    with pytest.raises(ValueError, match="holds study 's'"):
+        Results("other").save(path, merge=True)
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="not a fuselab results file"):
+        Results.load(path)
+
+
+def test_save_is_atomic(tmp_path):
+    path = tmp_path / "s.json"
+    res = Results("s")
+    _row(res, "base", 1.0)
+    res.save(path)
+    before = path.read_text()
+
+    def broken_dump(obj, f, **kw):
+        f.write('{"half": ')
+        raise KeyboardInterrupt
+
+    _row(res, "new", 2.0)
+    with mock.patch.object(harness.json, "dump", broken_dump), pytest.raises(KeyboardInterrupt):
+        res.save(path)
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
+
+
+def test_pivot_ratios():
+    res = Results("s")
+    _row(res, "base", 2.0)
+    _row(res, "new", 1.0)
+    _row(res, "new", 4.0, shape="16x16x16")
+    header, lines = harness.pivot_rows(res.rows, ["shape"], baseline="base")
+    assert header == ["shape", "base", "new", "new x base"]
+    assert lines == [["8x8x8", 2.0, 1.0, 2.0], ["16x16x16", None, 4.0, None]]  # ms: baseline / provider
+    rates = Results("s")
+    _row(rates, "base", 100.0, metric="TFLOP/s")
+    _row(rates, "new", 150.0, metric="TFLOP/s")
+    assert harness.pivot_rows(rates.rows, ["shape"], baseline="base", higher_is_better=True)[1] == [
+        ["8x8x8", 100.0, 150.0, 1.5]]
+    assert "| 8x8x8 | 100.00 | 150.00 | 1.50 |" in harness.pivot(rates.rows, ["shape"], baseline="base",
+                                                                   higher_is_better=True)
+    assert harness.geomean([1.0, 4.0]) == pytest.approx(2.0)
+
+
+def test_output_goes_to_runs_unless_asked(outdirs):
+    runs, results = outdirs
+    import argparse
+
+    p = argparse.ArgumentParser()
+    harness.add_output_args(p)
+    assert harness.output_path(p.parse_args([]), "s") == runs / "s.json"
+    assert harness.output_path(p.parse_args(["--results"]), "s") == results / "s.json"
+    assert harness.output_path(p.parse_args(["--out", "x.json"]), "s") == Path("x.json")
+    with pytest.raises(SystemExit, match="exclusive"):
+        harness.output_path(p.parse_args(["--out", "x.json", "--results"]), "s")
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines (issue 14, item 10)
+# ----------------------------------------------------------------------------------------------
+
+BAD_ARGS = [
+    (train_mlp, "--epochs", "0"), (train_mlp, "--epochs", "-3"), (train_mlp, "--batch", "0"),
+    (train_mlp, "--hidden", "0"), (train_mlp, "--hidden", "-1"), (train_mlp, "--epochs", "two"),
+    (train_mlp, "--lr", "0"), (train_mlp, "--timed-steps", "0"),
+    (compile_speedup, "--iters", "0"), (compile_speedup, "--passes", "0"), (compile_speedup, "--warmup", "-1"),
+    (compile_speedup, "--budget-min", "0"), (bench_matmul_relu, "--rep-ms", "0"),
+    (host_overhead, "--shapes", "0x8x8"), (host_overhead, "--shapes", "8x8"),
+]
+
+
+@pytest.mark.parametrize("module, flag, value", BAD_ARGS, ids=[f"{m.__name__.split('.')[-1]} {f} {v}"
+                                                               for m, f, v in BAD_ARGS])
+def test_bad_sizes_are_usage_errors(capsys, outdirs, module, flag, value):
+    err = usage_error(capsys, module.main, [flag, value])
+    assert flag in err and value in err
+    assert not outdirs[0].exists() and not outdirs[1].exists()
+
+
+def test_unknown_names_are_usage_errors(capsys):
+    for plan, field in (("opt:train:fp32:turbo", "unknown modes"), ("gpt:train:fp32:eager", "unknown models"),
+                        ("opt:train:fp8:eager", "unknown precisions"), ("opt:train", "must be models:tasks")):
+        assert field in usage_error(capsys, compile_speedup.main, ["--plan", plan])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")
+def test_gpu_only_modes_refuse_a_cpu_at_once(outdirs):
+    # Each exits with a message before any work: nothing measured, nothing built, nothing written.
+    with mock.patch.object(bench_matmul_relu, "measure", side_effect=AssertionError("measured")), \
+            mock.patch.object(host_overhead, "measure", side_effect=AssertionError("measured")), \
+            mock.patch.object(sweep_cuda_tiles.subprocess, "Popen", side_effect=AssertionError("built")), \
+            mock.patch.object(train_mlp, "load", side_effect=AssertionError("loaded")), \
+            mock.patch.object(compile_speedup, "run_one", side_effect=AssertionError("ran")):
+        for main, argv in ((bench_matmul_relu.main, ["--quick"]), (bench_matmul_relu.main, ["--cuda"]),
+                           (host_overhead.main, []), (sweep_cuda_tiles.main, []),
+                           (train_mlp.main, ["--device", "cuda"]),
+                           (compile_speedup.main, ["--device", "cuda", "--plan", "opt:infer:fp32:eager"])):
+            with pytest.raises(SystemExit, match="needs a CUDA GPU") as exc:
+                main(argv)
+            assert exc.value.code != 0
+    assert not outdirs[0].exists() and not outdirs[1].exists()
+
+
+def test_explicit_data_must_exist_and_be_whole(capsys, tmp_path, outdirs, monkeypatch):
+    monkeypatch.setattr(datasets, "CACHE", tmp_path / "cache")
+    missing = tmp_path / "missing"
+    err = usage_error(capsys, train_mlp.main, ["--data", str(missing), "--epochs", "1"])
+    assert f"--data {missing}" in err and "no Fashion-MNIST" in err
+    corrupt = tmp_path / "corrupt"  # Debian's layout, files that are not gzip
+    corrupt.mkdir()
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (corrupt / f"{name}.gz").write_bytes(b"not gzip")
+    for _ in range(2):  # the failed unpacking leaves nothing a second attempt would trust
+        err = usage_error(capsys, train_mlp.main, ["--data", str(corrupt), "--epochs", "1"])
+        assert "corrupt" in err and str(corrupt) in err
+    raw = tmp_path / "tv" / "FashionMNIST" / "raw"  # a torchvision root whose files are garbage
+    raw.mkdir(parents=True)
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (raw / name).write_bytes(b"\x00" * 64)
+    assert "corrupt" in usage_error(capsys, train_mlp.main, ["--data", str(tmp_path / "tv"), "--epochs", "1"])
+    assert not outdirs[0].exists()
+
+
+def test_train_mlp_falls_back_to_digits_only_without_data(capsys, outdirs, no_fashion_mnist):
+    res = train_mlp.main(["--epochs", "4", "--batch", "128", "--lr", "1e-2", "--hidden", "32", "--timed-steps", "3",
+                          "--device", "cpu"])
+    assert "Using scikit-learn's 8x8 digits instead" in capsys.readouterr().out
+    saved = Results.load(outdirs[0] / "train_mlp.json")  # runs/, not the committed results/
+    assert not outdirs[1].exists() and saved.to_json() == res.to_json()
+    acc = {r["provider"]: r["p50"] for r in saved.select(metric="test accuracy")}
+    assert acc["stock"] > 0.7 and abs(acc["stock"] - acc["fuse_linear_relu"]) < 0.05
+    assert {r["shape"] for r in saved.rows} == {"sklearn digits, 64-32-32-10, batch 128"}
+    assert len(saved.select(metric="ms/step")) == 2 and saved.baselines == {"train on cpu": "stock"}
+
+
+def test_quickstart_checks_against_float64(capsys, outdirs):
     if torch.cuda.is_available():
-        pytest.skip("has a GPU")
-    import bench_matmul_relu
+        pytest.skip("on a GPU the quickstart also times and trains: see make demo")
+    from experiments import quickstart
 
-    sys.argv = ["bench_matmul_relu.py", "--quick"]
-    with pytest.raises(SystemExit, match="GPU"):
-        bench_matmul_relu.main()
-    import sweep_cuda_tiles
-
-    sys.argv = ["sweep_cuda_tiles.py"]
-    with pytest.raises(SystemExit, match="GPU"):
-        sweep_cuda_tiles.main()
+    quickstart.main(["--skip-mlp"])
+    saved = Results.load(outdirs[0] / "quickstart.json")
+    err = {(r["dtype"], r["provider"]): r["p50"] for r in saved.select(metric="max rel err")}
+    assert set(err) == {("fp32", "torch"), ("fp32", "fuselab"), ("fp16", "torch"), ("fp16", "fuselab")}
+    assert err["fp32", "fuselab"] < 1e-5 and err["fp16", "fuselab"] < 4 * err["fp16", "torch"]
 
 
-def test_report_renders_every_committed_result():
-    # The README tables come from results/*.json: each committed file must render.
-    import report
+# ----------------------------------------------------------------------------------------------
+# The compile study
+# ----------------------------------------------------------------------------------------------
 
-    sections = {"matmul_relu_bench": report.matmul_relu_section, "matmul_relu_bench_cuda": report.cuda_section,
-                "compile_speedup_cuda": report.compile_section, "sparse_embedding_cuda": report.sparse_section,
-                "mlp_cuda": report.mlp_section}
-    for name, render in sections.items():
-        data = report.load(name)
-        assert data is not None, f"results/{name}.json is missing"
-        text = render(data)
-        assert data["environment"]["git_commit"] in text and "|---|" in text
-    sweep = report.load("cuda_tiles_sweep")  # rendered inside the CUDA section
-    assert sweep is not None
-    assert sweep["environment"]["git_commit"] in report.cuda_section(report.load("matmul_relu_bench_cuda"), sweep)
+
+def run_compile(tmp_path, plan, *extra):
+    return compile_speedup.main(["--tiny", "--device", "cpu", "--plan", plan, "--warmup", "0", "--iters", "1",
+                                 "--out", str(tmp_path / "cs.json"), *extra])
 
 
 @pytest.mark.slow
 def test_compile_speedup_smoke(tmp_path):
     # The study's machinery end to end on a tiny patched decoder: inductor compiles it with no graph break.
-    import compile_speedup
-
-    rows = compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt+fuselab:train:fp32:eager,default",
-                                 "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
-    compiled = next(r for r in rows if r["mode"] == "default")
-    assert compiled["graph breaks"] == 0 and compiled["ms/step"] > 0
-    assert (tmp_path / "compile_speedup_cpu.json").exists()
-    assert compiled["speedup vs eager"] > 0
-    with pytest.raises(SystemExit, match="unknown modes"):
-        compile_speedup.main(["--plan", "opt:train:fp32:turbo"])
-    with pytest.raises(SystemExit, match="unknown models"):
-        compile_speedup.main(["--plan", "gpt:train:fp32:eager"])
-    with pytest.raises(SystemExit, match="unknown precisions"):
-        compile_speedup.main(["--plan", "opt:train:fp8:eager"])
+    res = run_compile(tmp_path, "opt+fuselab:train:fp32:eager,default")
+    assert res.value(op="opt train", provider="opt+fuselab", mode="default", metric="graph breaks") == 0
+    assert res.value(op="opt train", provider="opt+fuselab", mode="eager", metric="graph breaks") is None
+    assert {r["mode"] for r in res.select(metric="ms/step")} == {"eager", "default"}
+    assert Results.load(tmp_path / "cs.json").to_json() == res.to_json()
 
 
 def test_compile_speedup_relu_bound_and_tf32(tmp_path):
     # opt-norelu is the stock decoder without its ReLU (the bound on what fusing it can save); tf32
     # sets the matmul precision for its own configuration, and main() restores it.
-    import compile_speedup
-    import torch
-
     model, *_ = compile_speedup.build("opt-norelu", True, torch.device("cpu"))
     assert all(type(layer.activation_fn) is torch.nn.Identity for layer in model.model.decoder.layers)
     stock, *_ = compile_speedup.build("opt", True, torch.device("cpu"))
@@ -87,85 +319,137 @@ def test_compile_speedup_relu_bound_and_tf32(tmp_path):
     before = torch.get_float32_matmul_precision()
     seen = []
     with mock.patch.object(compile_speedup, "add_pass",
-                           lambda measured, row: seen.append(torch.get_float32_matmul_precision())):
-        compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt-norelu:infer:tf32,fp32:eager",
-                              "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
+                           lambda measured, config, one: seen.append(torch.get_float32_matmul_precision())):
+        run_compile(tmp_path, "opt-norelu:infer:tf32,fp32:eager")
     assert seen == ["high", "highest"] and torch.get_float32_matmul_precision() == before
 
 
-def test_compile_speedup_reports_a_failed_configuration(tmp_path):
-    # One configuration failing (OOM, a compiler error) is reported; the others still run.
-    import compile_speedup
-
+def test_compile_speedup_records_a_failed_configuration(tmp_path):
+    # One configuration failing (OOM, a compiler error) is recorded in `failed`; the others still run.
     run_one = compile_speedup.run_one
 
     def flaky(model, mode, *rest):
         if mode == "default":
-            raise RuntimeError("out of memory")
+            raise RuntimeError("out of memory\ntraceback...")
         return run_one(model, mode, *rest)
 
     with mock.patch.object(compile_speedup, "run_one", flaky):
-        rows = compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt:infer:fp32:default,eager",
-                                     "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
-    assert [r["mode"] for r in rows] == ["eager"]
-    saved = json.loads((tmp_path / "compile_speedup_cpu.json").read_text())
-    assert [(f["mode"], f["error"]) for f in saved["failed"]] == [("default", "RuntimeError: out of memory")]
-    with mock.patch.object(compile_speedup, "run_one", run_one):  # re-run with --merge: the failure is gone
-        compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt:infer:fp32:default", "--merge",
-                              "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
-    saved = json.loads((tmp_path / "compile_speedup_cpu.json").read_text())
-    assert saved["failed"] == [] and [r["mode"] for r in saved["rows"]] == ["eager", "default"]
-
-
-def test_compile_speedup_ratios_and_order():
-    import compile_speedup
-
-    def row(model, mode, ms, task="train"):
-        return {"model": model, "task": task, "precision": "bf16", "mode": mode, "ms/step": ms}
-
-    rows = compile_speedup.add_speedups([row("opt+fuselab", "default", 30.0), row("opt", "default", 33.0),
-                                         row("opt", "eager", 40.0), row("opt+fuselab", "eager", 44.0),
-                                         row("resnet50", "eager", 20.0, "infer")])
-    by = {(r["model"], r["mode"]): r for r in rows}
-    assert by["opt+fuselab", "default"]["speedup vs eager"] == pytest.approx(44 / 30)
-    assert by["opt+fuselab", "default"]["x stock, same mode"] == pytest.approx(33 / 30)
-    assert by["opt+fuselab", "eager"]["x stock, same mode"] == pytest.approx(40 / 44)
-    assert by["opt", "eager"]["x stock, same mode"] is None and by["resnet50", "eager"]["x stock, same mode"] is None
-    assert [(r["model"], r["mode"]) for r in compile_speedup.study_order(rows)] == [
-        ("resnet50", "eager"), ("opt", "eager"), ("opt", "default"), ("opt+fuselab", "eager"),
-        ("opt+fuselab", "default")]
+        res = run_compile(tmp_path, "opt:infer:fp32:default,eager")
+    assert {r["mode"] for r in res.rows} == {"eager"}
+    saved = Results.load(tmp_path / "cs.json")
+    assert [(f["op"], f["provider"], f["mode"], f["error"]) for f in saved.failed] == [
+        ("opt infer", "opt", "default", "RuntimeError: out of memory")]
+    assert "RuntimeError: out of memory" in report.render_study(saved)
+    run_compile(tmp_path, "opt:infer:fp32:default", "--merge")  # measured now: the failure is gone
+    saved = Results.load(tmp_path / "cs.json")
+    assert saved.failed == [] and [r["mode"] for r in saved.select(metric="ms/step")] == ["eager", "default"]
 
 
 def test_compile_speedup_merge_runs_in_pieces(tmp_path):
-    # --merge keeps the configurations a run skips and replaces the ones it measures; rows carry commits.
-    import compile_speedup
+    # --merge keeps the configurations a run skips and replaces the ones it measures; rows name their run.
+    def ms(res):
+        return [(r["provider"], r["p50"], r["run"]) for r in res.select(metric="ms/step")]
 
-    def run(plan, *extra):
-        compile_speedup.main(["--tiny", "--device", "cpu", "--plan", plan, "--warmup", "0", "--iters", "1",
-                              "--out", str(tmp_path), *extra])
-        return json.loads((tmp_path / "compile_speedup_cpu.json").read_text())["rows"]
-
-    first = run("opt:infer:fp32:eager")
-    assert [r["model"] for r in first] == ["opt"] and first[0]["commit"]
-    both = run("resnet50:infer:fp32:eager", "--merge")
-    assert [(r["model"], r["ms/step"]) for r in both][0] == ("opt", first[0]["ms/step"])
-    assert [r["model"] for r in both] == ["opt", "resnet50"]
-    again = run("opt:infer:fp32:eager", "--merge")
-    assert [r["model"] for r in again] == ["opt", "resnet50"] and again[1] == both[1]
-    assert again[0]["ms/step"] != first[0]["ms/step"]  # re-measured, not kept
-    alone = run("resnet50:infer:fp32:eager")  # without --merge a run stands alone
-    assert [r["model"] for r in alone] == ["resnet50"]
+    first = ms(run_compile(tmp_path, "opt:infer:fp32:eager"))
+    run_compile(tmp_path, "resnet50:infer:fp32:eager", "--merge")
+    both = ms(Results.load(tmp_path / "cs.json"))
+    assert [p for p, *_ in both] == ["opt", "resnet50"] and both[0] == first[0]
+    run_compile(tmp_path, "opt:infer:fp32:eager", "--merge")
+    again = Results.load(tmp_path / "cs.json")
+    assert [p for p, *_ in ms(again)] == ["resnet50", "opt"] and ms(again)[0] == both[1]
+    assert ms(again)[1][2] != first[0][2] and len(again.runs) == 2  # re-measured by the third run
+    assert [p for p, *_ in ms(run_compile(tmp_path, "resnet50:infer:fp32:eager"))] == ["resnet50"]
+    assert len(Results.load(tmp_path / "cs.json").runs) == 1  # without --merge a run stands alone
 
 
 def test_compile_speedup_passes_alternate_and_average(tmp_path):
-    import compile_speedup
+    order = []
+    run_one = compile_speedup.run_one
+    with mock.patch.object(compile_speedup, "run_one", lambda name, *a: order.append(name) or run_one(name, *a)):
+        res = run_compile(tmp_path, "opt,resnet50:infer:fp32:eager", "--passes", "3")
+    assert order == ["opt", "resnet50"] * 3
+    for r in res.select(metric="ms/step"):
+        assert len(r["passes"]) == 3 and r["p50"] == pytest.approx(sum(r["passes"]) / 3)
+    assert {r["shape"] for r in res.rows} == {"2x32 tokens", "2x3x64x64"}
 
-    rows = compile_speedup.main(["--tiny", "--device", "cpu", "--plan", "opt,resnet50:infer:fp32:eager",
-                                 "--passes", "3", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)])
-    assert [r["model"] for r in rows] == ["opt", "resnet50"]
-    for r in rows:
-        passes = r["ms/step passes"]
-        assert len(passes) == 3 and r["ms/step"] == pytest.approx(sum(passes) / 3)
-        unit = "tok/s" if r["model"] == "opt" else "img/s"
-        items = 2 * 32 if r["model"] == "opt" else 2  # the tiny batch
-        assert r[unit] == pytest.approx(items / (r["ms/step"] / 1e3))
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.name for p in COMMITTED])
+def test_committed_results_load_and_render(path):
+    res = Results.load(path)  # fuselab-results/1, or this fails
+    assert res.study == path.stem, f"{path.name} holds study {res.study!r}: name it results/{res.study}.json"
+    assert res.rows, f"{path.name} has no rows"
+    for row in res.rows:
+        assert set(harness.ROW_KEYS) | {"run"} <= set(row) and row["study"] == res.study
+        assert row["run"] in res.runs and row["p20"] is not None
+    for op, baseline in res.baselines.items():
+        assert not res.select(op=op) or res.select(op=op, provider=baseline), f"{op}: baseline {baseline} not measured"
+    page = report.render_study(res)
+    assert "|---|" in page and f"results/{res.study}.json" in page
+    for run in {r["run"] for r in res.rows}:
+        assert f"`{run}`" in page and f"commit `{res.runs[run]['commit']}`" in page
+
+
+def test_committed_docs_are_current(tmp_path):
+    # docs/results/*.md are generated: after a results file changes, `python -m experiments.report` reruns.
+    report.main(["--docs", str(tmp_path), "--no-readme", "--no-plots"])
+    for page in tmp_path.glob("*.md"):
+        committed = harness.ROOT / "docs" / "results" / page.name
+        assert committed.exists() and committed.read_text() == page.read_text(), \
+            f"docs/results/{page.name} is stale: run `python -m experiments.report`"
+
+
+def test_report_ratios_come_from_rows():
+    res = Results("demo")
+    res.set_baseline("fwd", "cuBLASLt")
+    for shape, base, mine in (("a", 100.0, 150.0), ("b", 200.0, 100.0)):
+        for mode in ("eager", "graph"):
+            _row(res, "cuBLASLt", base, metric="TFLOP/s", mode=mode, shape=shape)
+            _row(res, "fuselab", mine, metric="TFLOP/s", mode=mode, shape=shape)
+            _row(res, "cuBLASLt", 1e3 / base, metric="ms", mode=mode, shape=shape)
+            _row(res, "fuselab", 1e3 / mine, metric="ms", mode=mode, shape=shape)
+    spec = report.Spec("Demo", "prose", views=(report.View("TFLOP/s", index=("shape", "mode"),
+                                                           geomean_by=("mode",)),), hide=("ms",))
+    page = report.render_study(res, spec)
+    assert "| shape | mode | cuBLASLt | fuselab | fuselab x cuBLASLt |" in page
+    assert "| a | eager | 100 | 150 | 1.50 |" in page and "| b | graph | 200 | 100 | 0.50 |" in page
+    assert "fuselab x cuBLASLt, eager: geometric mean **0.87** over 2 lines" in page  # sqrt(1.5 * 0.5)
+    assert "### fwd: ms" not in page  # a hidden metric
+    generic = report.render_study(res, report.Spec("Demo", ""))  # no view: a table per op and metric
+    assert "### fwd: ms" in generic and "| a | eager | 10.0 | 6.67 | 1.50 |" in generic
+    # a compile-study view: modes as columns, eager the baseline
+    comp = Results("compile_speedup")
+    for mode, ms in (("eager", 40.0), ("default", 32.0)):
+        comp.record(op="opt train", provider="opt", shape="8x1024 tokens", dtype="bf16", mode=mode, metric="ms/step",
+                    value=ms)
+    assert "| opt train | bf16 | opt | 40.0 | 32.0 | 1.25 |" in report.render_study(comp)
+
+
+def test_report_writes_docs_plots_and_headline(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("host_overhead", "train_mlp", "matmul_relu_cuda"):
+        shutil.copy(harness.RESULTS / f"{name}.json", results)
+    (results / "old.json").write_text(json.dumps({"environment": {}, "rows": []}))  # not the long format: skipped
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\nintro\n\n<!-- results:headline -->\nstale\n<!-- /results:headline -->\n\nrest\n")
+    docs = tmp_path / "docs"
+    report.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme)])
+    assert "skipped" in capsys.readouterr().err
+    assert sorted(p.name for p in docs.iterdir()) == [
+        "README.md", "host_overhead.md", "host_overhead.png", "matmul_relu_cuda.md", "matmul_relu_cuda.png",
+        "train_mlp.md"]
+    text = readme.read_text()
+    head = text.split("<!-- results:headline -->")[1].split("<!-- /results:headline -->")[0]
+    assert "stale" not in head and text.startswith("# x\n\nintro\n") and text.endswith("\n\nrest\n")
+    assert "| figure | value | measured |" in head and "vs cuBLASLt" in head and "MLP test accuracy" in head
+    report.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme), "--no-plots"])
+    assert readme.read_text() == text  # regenerating changes nothing
+    readme.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="<!-- results:headline -->"):
+        report.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme), "--no-plots"])
+    assert readme.read_text() == "# no markers\n"

@@ -1,0 +1,1 @@
+"""fuselab experiments: run each as `python -m experiments.<name>` from the repository root."""

@@ -1,0 +1,530 @@
+"""The one benchmark harness every fuselab experiment uses: timing, providers, results as data.
+
+Timing (``time_call``), in one of four modes, always as p20/p50/p80 milliseconds:
+
+    eager  ``triton.testing.do_bench``: CUDA events, L2 flushed before every call, host cost included
+    graph  ``triton.testing.do_bench_cudagraph``: the same call replayed from a CUDA graph (kernel
+           time without the host's per-call cost); rotate inputs (``cycle``) to keep L2 cold
+    wall   a ``perf_counter`` loop that synchronizes after every call (whole training steps, CPU runs)
+    host   a ``perf_counter`` loop that never synchronizes: the host's time to enqueue one call
+
+Providers: a ``Providers`` registry per study, one marked ``baseline`` (tritonbench's
+``register_benchmark(baseline=True)``): a new peer is one function.
+
+Results: ``Results`` holds rows in long format, one per measurement::
+
+    {study, op, provider, shape, dtype, mode, metric, p20, p50, p80, run}
+
+where ``run`` names an entry of ``runs``: the environment it was measured in (GPU, driver,
+torch, triton, CUDA, commit, a ``dirty`` flag, date). What could not be measured (out of memory, a
+compiler error, a call a CUDA graph cannot capture) goes to ``failed`` through ``Results.fail``.
+Ratios between providers are computed when reporting (``experiments/report.py``), never stored.
+``save`` writes atomically, to ``runs/`` (not committed) unless the script was asked to write the
+committed ``results/`` (``--results``).
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"  # committed: written only when asked (--results)
+RUNS = ROOT / "runs"  # everything else (ignored by git)
+MODES = ("eager", "graph", "wall", "host")
+QUANTILES = (0.2, 0.5, 0.8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Quantiles of one measurement's samples (milliseconds for times)."""
+    p20: float
+    p50: float
+    p80: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Timing":
+        s = sorted(samples)
+        pick = [s[min(len(s) - 1, int(q * len(s)))] for q in QUANTILES]
+        return cls(*pick)
+
+    @classmethod
+    def exact(cls, value: float) -> "Timing":
+        """A measurement with no spread (a count, an accuracy, a peak)."""
+        return cls(value, value, value)
+
+    def converted(self, factor: float) -> "Timing":
+        """The same quantiles in another unit (``factor`` 1e3: milliseconds -> microseconds)."""
+        return Timing(self.p20 * factor, self.p50 * factor, self.p80 * factor)
+
+    def scaled(self, work: float) -> "Timing":
+        """``work / time`` (a rate), quantiles swapped so that p20 stays the lower value."""
+        return Timing(work / self.p80, work / self.p50, work / self.p20)
+
+
+def sync(device: Optional[torch.device] = None) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize()
+
+
+def time_call(fn: Callable[[], object], mode: str = "eager", *, warmup_ms: float = 25, rep_ms: float = 100,
+              iters: Optional[int] = None, warmup_iters: int = 3,
+              grad_to_none: Optional[Sequence[torch.Tensor]] = None) -> Timing:
+    """Time ``fn()`` in ``mode`` (see the module docstring); ``fn`` is called once first, outside
+    the timing (autotuning, compilation). ``iters`` sets the sample count of wall/host modes.
+    ``grad_to_none``: tensors whose ``.grad`` is reset before each call (a backward then writes its
+    gradients instead of accumulating into them), outside the timed region where the mode allows."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode in ("eager", "graph") and not torch.cuda.is_available():
+        raise RuntimeError(f"timing mode {mode!r} needs a CUDA device; use 'wall' on a CPU")
+    fn()
+    sync()
+    if mode == "eager":
+        import triton
+
+        return Timing(*triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
+                                                quantiles=list(QUANTILES)))
+    if mode == "graph":
+        import triton
+
+        return Timing(*triton.testing.do_bench_cudagraph(fn, rep=rep_ms, grad_to_none=grad_to_none,
+                                                         quantiles=list(QUANTILES)))
+    if grad_to_none is not None:
+        call = fn
+
+        def fn():
+            for t in grad_to_none:
+                t.grad = None
+            return call()
+
+    for _ in range(warmup_iters):
+        fn()
+    sync()
+    if iters is None:  # enough samples for ~rep_ms of work, at least 10
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        iters = max(10, min(10_000, int(rep_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
+    if mode == "wall":
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return Timing.of(samples)
+    # host: batches of calls, never waiting for the device inside a batch
+    batch = max(1, iters // 10)
+    samples = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e3 / batch)
+        sync()
+    return Timing.of(samples)
+
+
+def cycle(fn: Callable, arg_sets: Sequence[tuple]) -> Callable[[], object]:
+    """``fn(*args)`` over ``arg_sets`` in turn: inputs that together exceed L2 keep it cold, also
+    inside a captured CUDA graph (each captured call binds the next set)."""
+    sets = itertools.cycle(arg_sets)
+    return lambda: fn(*next(sets))
+
+
+def time_first_call(fn: Callable[[], object]) -> float:
+    """Seconds from calling ``fn()`` to the device finishing it: a first call's compile and tune time."""
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def rotating(make: Callable[[], tuple], min_bytes: int = 2**28, max_sets: int = 64) -> List[tuple]:
+    """Argument sets from ``make()`` (each a tuple of tensors, fresh random data) until together they
+    hold ``min_bytes`` (256 MiB: several times any L2), at most ``max_sets``: ``cycle`` over them
+    keeps L2 cold, also under a CUDA graph."""
+    sets = [make()]
+    size = sum(t.numel() * t.element_size() for t in sets[0] if isinstance(t, torch.Tensor))
+    while len(sets) < max_sets and size * len(sets) < min_bytes:
+        sets.append(make())
+    return sets
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (0 when both are 0)."""
+    out, ref = out.double(), ref.double()
+    denom = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / denom if denom else num
+
+
+def peak_memory_mib(device: Optional[torch.device] = None) -> Optional[float]:
+    """Peak allocated CUDA memory since the last ``torch.cuda.reset_peak_memory_stats``; None on a CPU."""
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return None
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def copy_bandwidth_gbs() -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written), the bytes floor's ceiling."""
+    src = torch.empty(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_call(lambda: dst.copy_(src)).p50
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+# ----------------------------------------------------------------------------------------------
+# Providers
+# ----------------------------------------------------------------------------------------------
+
+
+class Providers:
+    """Named implementations of one operation, one of them the baseline ratios are taken against.
+
+        providers = Providers()
+
+        @providers.register("cuBLASLt", baseline=True)
+        def cublaslt(a, b, bias): ...
+    """
+
+    def __init__(self):
+        self.fns: Dict[str, Callable] = {}
+        self.baseline: Optional[str] = None
+
+    def register(self, name: str, *, baseline: bool = False) -> Callable:
+        def add(fn):
+            if name in self.fns:
+                raise ValueError(f"provider {name!r} registered twice")
+            if baseline:
+                if self.baseline is not None:
+                    raise ValueError(f"two baselines: {self.baseline!r} and {name!r}")
+                self.baseline = name
+            self.fns[name] = fn
+            return fn
+
+        return add
+
+    def select(self, names: Optional[Iterable[str]]) -> Dict[str, Callable]:
+        """The providers named (all when None); an unknown name is an error that lists the known ones."""
+        if names is None:
+            return dict(self.fns)
+        unknown = [n for n in names if n not in self.fns]
+        if unknown:
+            raise ValueError(f"unknown provider(s) {unknown}; known: {list(self.fns)}")
+        return {n: self.fns[n] for n in names}
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment and results
+# ----------------------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment() -> Dict[str, object]:
+    """Where a measurement was made. A copy without .git (a lent GPU machine) passes the commit in
+    FUSELAB_GIT_COMMIT and FUSELAB_GIT_DIRTY."""
+    import triton
+
+    commit = os.environ.get("FUSELAB_GIT_COMMIT") or _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    dirty_env = os.environ.get("FUSELAB_GIT_DIRTY")
+    if dirty_env is not None:
+        dirty = dirty_env not in ("0", "", "false")
+    else:
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status) if status is not None else None
+    cuda = torch.cuda.is_available()
+    driver = None
+    if cuda:
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            driver = None
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
+                                                         f"{os.cpu_count()} cores)",
+        "driver": driver,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": commit,
+        "dirty": dirty,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+ROW_KEYS = ("study", "op", "provider", "shape", "dtype", "mode", "metric", "p20", "p50", "p80")
+FAILURE_KEYS = ("op", "provider", "shape", "dtype", "mode")  # what a failure is keyed by (no metric)
+
+
+class Results:
+    """Long-format measurements of one study, with the environment of each run that made them.
+
+    ``failed`` lists what could not be measured (an out-of-memory, a compiler error, a CUDA graph
+    that would not capture): ``{op, provider, shape, dtype, mode, error, run}``, written beside the
+    rows, rendered under the study's tables."""
+
+    def __init__(self, study: str, runs: Optional[Dict[str, dict]] = None, rows: Optional[List[dict]] = None,
+                 baselines: Optional[Dict[str, str]] = None, failed: Optional[List[dict]] = None):
+        self.study = study
+        self.runs: Dict[str, dict] = runs or {}
+        self.rows: List[dict] = rows or []
+        self.baselines: Dict[str, str] = baselines or {}  # op -> the provider ratios are taken against
+        self.failed: List[dict] = failed or []
+        self.run_id = None
+
+    def set_baseline(self, op: str, providers_or_name) -> None:
+        """Name ``op``'s baseline provider (a name, or a ``Providers`` registry's baseline)."""
+        name = getattr(providers_or_name, "baseline", providers_or_name)
+        if not isinstance(name, str):
+            raise ValueError(f"no baseline provider for {op!r}")
+        self.baselines[op] = name
+
+    def _current_run(self) -> str:
+        if self.run_id is None:
+            self.run_id = uuid.uuid4().hex[:8]
+            self.runs[self.run_id] = environment()
+        return self.run_id
+
+    def annotate(self, **info) -> None:
+        """Add keys to this run's environment entry (a data path, a flag the whole run shares)."""
+        self.runs[self._current_run()].update(info)
+
+    def fail(self, *, op: str, provider: str, shape: str, dtype: str, mode: str, error, **extra) -> dict:
+        """Record that a measurement could not be made; ``error`` an exception or a message."""
+        if isinstance(error, BaseException):  # the first line of the message: enough to recognise it
+            first = (str(error).strip().splitlines() or [""])[0]
+            error = f"{type(error).__name__}: {first[:300]}"
+        entry = {"op": op, "provider": provider, "shape": str(shape), "dtype": dtype, "mode": mode,
+                 "error": str(error), "run": self._current_run(), **extra}
+        self.failed.append(entry)
+        return entry
+
+    def record(self, *, op: str, provider: str, shape: str, dtype: str, mode: str, metric: str,
+               value, **extra) -> dict:
+        """One measurement: ``value`` is a Timing (its quantiles) or a number (no spread).
+        ``extra`` keys (a model name, a step count) are kept beside the standard ones."""
+        timing = value if isinstance(value, Timing) else Timing.exact(float(value))
+        clash = set(extra) & set(ROW_KEYS + ("run",))
+        if clash:
+            raise ValueError(f"extra keys {sorted(clash)} shadow standard row keys")
+        row = {"study": self.study, "op": op, "provider": provider, "shape": str(shape), "dtype": dtype,
+               "mode": mode, "metric": metric, **asdict(timing), "run": self._current_run(), **extra}
+        self.rows.append(row)
+        return row
+
+    def record_time(self, *, flops: Optional[float] = None, nbytes: Optional[float] = None, **keys) -> None:
+        """A ``time_call`` Timing as an ``ms`` row, plus TFLOP/s and GB/s rows when the work is given."""
+        timing = keys.pop("value")
+        self.record(metric="ms", value=timing, **keys)
+        if flops:
+            self.record(metric="TFLOP/s", value=timing.scaled(flops * 1e-9), **keys)
+        if nbytes:
+            self.record(metric="GB/s", value=timing.scaled(nbytes * 1e-6), **keys)
+
+    def select(self, **where) -> List[dict]:
+        """Rows whose keys equal every ``where`` value (a tuple/list/set value: any of them)."""
+        def match(row):
+            for k, v in where.items():
+                if isinstance(v, (tuple, list, set, frozenset)):
+                    if row.get(k) not in v:
+                        return False
+                elif row.get(k) != v:
+                    return False
+            return True
+
+        return [r for r in self.rows if match(r)]
+
+    def value(self, stat: str = "p50", **where) -> Optional[float]:
+        """The single row matching ``where``'s ``stat``; None if none matches, an error if several do."""
+        rows = self.select(**where)
+        if len(rows) > 1:
+            raise ValueError(f"{len(rows)} rows match {where}")
+        return rows[0][stat] if rows else None
+
+    def to_json(self) -> dict:
+        out = {"study": self.study, "format": "fuselab-results/1", "baselines": self.baselines, "runs": self.runs,
+               "rows": self.rows}
+        if self.failed:
+            out["failed"] = self.failed
+        return out
+
+    @classmethod
+    def load(cls, path: Path) -> "Results":
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("format") != "fuselab-results/1":
+            raise ValueError(f"{path} is not a fuselab results file (format fuselab-results/1)")
+        return cls(data["study"], data["runs"], data["rows"], data.get("baselines"), data.get("failed"))
+
+    def save(self, path: Path, merge: bool = False) -> Path:
+        """Write atomically (a crash leaves the old file whole); ``merge`` keeps the rows already
+        there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric)."""
+        path = Path(path)
+        out = self
+        if merge and path.exists():
+            old = Results.load(path)
+            if old.study != self.study:
+                raise ValueError(f"{path} holds study {old.study!r}, not {self.study!r}: not merged")
+            mine = {tuple(r.get(k) for k in ROW_KEYS[1:7]) for r in self.rows}
+            kept = [r for r in old.rows if tuple(r.get(k) for k in ROW_KEYS[1:7]) not in mine]
+            # an earlier failure stays listed until this run measures or fails that configuration again
+            tried = {tuple(r.get(k) for k in FAILURE_KEYS) for r in self.rows + self.failed}
+            kept_failed = [f for f in old.failed if tuple(f.get(k) for k in FAILURE_KEYS) not in tried]
+            runs = {k: v for k, v in old.runs.items() if any(r["run"] == k for r in kept + kept_failed)}
+            out = Results(self.study, {**runs, **self.runs}, kept + self.rows, {**old.baselines, **self.baselines},
+                          kept_failed + self.failed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(out.to_json(), f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines
+# ----------------------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, else a usage error that names the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0, else a usage error that names the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0, else a usage error that names the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """``--out`` (a file; default runs/<study>.json) and ``--results`` (write the committed
+    results/<study>.json instead; ``--merge`` keeps rows of earlier runs there)."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results JSON to write (default: runs/<study>.json, not committed)")
+    parser.add_argument("--results", action="store_true",
+                        help="write the committed results/<study>.json that the docs are generated from")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows already in the output file that this run does not measure again")
+
+
+def output_path(args: argparse.Namespace, study: str) -> Path:
+    if args.out is not None and args.results:
+        raise SystemExit("--out and --results are exclusive")
+    if args.out is not None:
+        return args.out
+    return (RESULTS if args.results else RUNS) / f"{study}.json"
+
+
+def require_cuda(what: str) -> None:
+    """Exit at once, before any work, when a GPU-only measurement is asked for on a machine without one."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{what} needs a CUDA GPU (none found); run it on a GPU machine")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.2e}" if value and abs(value) < 0.01 else f"{value:.2f}"
+    return "" if value is None else str(value)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pivot_rows(rows: List[dict], index: Sequence[str], column: str = "provider", stat: str = "p50",
+               baseline: Optional[str] = None, higher_is_better: bool = False):
+    """``pivot``'s table as data: (header, lines), lines holding numbers (None: not measured)."""
+    keys = list(dict.fromkeys(tuple(r[k] for k in index) for r in rows))
+    cols = list(dict.fromkeys(r[column] for r in rows))
+    cell = {(tuple(r[k] for k in index), r[column]): r[stat] for r in rows}
+    ratio_cols = [c for c in cols if baseline is not None and c != baseline and baseline in cols]
+    header = list(index) + cols + [f"{c} x {baseline}" for c in ratio_cols]
+    out = []
+    for key in keys:
+        line = list(key) + [cell.get((key, c)) for c in cols]
+        base = cell.get((key, baseline))
+        for c in ratio_cols:
+            v = cell.get((key, c))
+            if v is None or not base or (not v and not higher_is_better):
+                line.append(None)
+            else:
+                line.append(v / base if higher_is_better else base / v)
+        out.append(line)
+    return header, out
+
+
+def pivot(rows: List[dict], index: Sequence[str], column: str = "provider", stat: str = "p50",
+          baseline: Optional[str] = None, higher_is_better: bool = False) -> str:
+    """A markdown table: one line per distinct ``index`` tuple, one column per ``column`` value,
+    cells the ``stat``; with a ``baseline`` column value, an ``x <baseline>`` column per other value
+    (speed relative to the baseline: above 1 is better, whichever way the metric runs)."""
+    return markdown_table(*pivot_rows(rows, index, column, stat, baseline, higher_is_better))
+
+
+def geomean(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")

@@ -1,0 +1,245 @@
+"""Patched models as users run them: eager (and compiled) steps of transformers' OPT decoder,
+stock against patched by ``fuse_linear_relu``, with where the GPU waits.
+
+For each size x tokens x task (``infer``: forward under no_grad; ``train``: forward, loss,
+backward) x variant x mode (eager, or a torch.compile mode), bf16 parameters, rows of:
+
+    ms            wall time per step, synchronized (harness ``wall`` mode)
+    host ms       time to enqueue one step, never synchronized (eager only; ``host`` mode)
+    GPU busy ms   union of the GPU's kernel/copy intervals per step (profiler trace, ``--trace``;
+                  profiled steps run slower, so these are measured after all the timing)
+    GPU idle ms   the step's GPU span minus its busy time: time the GPU waited for the host
+    syncs/step    calls that synchronized the host with the GPU (``torch.cuda.set_sync_debug_mode``)
+
+``--trace`` also prints, per variant, the kernels that most often start after a GPU gap of
+more than 20 us (the launch the GPU waited for) and ``--syncs`` the Python stack of every
+synchronizing call of one step.
+
+    python -m experiments.model_eager                                  # the default grid (GPU)
+    python -m experiments.model_eager --sizes opt-350m --tokens 8x1024 --tasks infer --trace --syncs
+    python -m experiments.model_eager --sizes tiny --tokens 1x32 --device cpu --modes eager   # smoke test
+"""
+import argparse
+import collections
+import contextlib
+import time
+import traceback
+import warnings
+
+import torch
+from tqdm import tqdm
+
+from experiments import harness
+from experiments.models import OPT_SIZES, opt_decoder
+
+STUDY = "model_eager"
+MODES = ("eager", "default", "reduce-overhead")
+
+
+def make_step(model, tokens, task: str, mode: str):
+    """One step of ``task`` on ``model`` (compiled first unless ``mode`` is eager)."""
+    forward = model if mode == "eager" else torch.compile(model, mode=None if mode == "default" else mode)
+    graphs = mode == "reduce-overhead"
+
+    if task == "infer":
+        def step():
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                return forward(tokens).logits
+    else:
+        def step():
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = forward(tokens, labels=tokens).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss
+    return step
+
+
+def gpu_timeline(step, steps: int = 3):
+    """(busy ms per step, idle ms per step, {kernel name: [gaps before it, total gap us]}) from a
+    profiler trace of ``steps`` steps: idle is the GPU span minus the union of its intervals."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    harness.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        harness.sync()
+    events = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+                    for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
+    if not events:
+        return 0.0, 0.0, {}
+    busy, gaps = 0, collections.defaultdict(lambda: [0, 0.0])
+    cur_start, cur_end = events[0][:2]
+    for start, end, name in events[1:]:
+        if start > cur_end:  # a gap: the GPU had nothing to run until this launch
+            busy += cur_end - cur_start
+            if start - cur_end > 20_000:
+                gaps[name][0] += 1
+                gaps[name][1] += (start - cur_end) / 1e3
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = cur_end - events[0][0]
+    return busy / 1e6 / steps, (span - busy) / 1e6 / steps, dict(gaps)
+
+
+def synchronizing_calls(step, stacks: bool = False):
+    """(count, [stack summaries]) of the calls in one step that made the host wait for the GPU."""
+    step()
+    harness.sync()
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            found.append("".join(traceback.format_stack(limit=12)[:-1]) if stacks else str(message))
+
+    saved = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = saved
+    harness.sync()
+    return len(found), found
+
+
+def run(args) -> harness.Results:
+    """Times every configuration first, then (``--trace``/``--syncs``) diagnoses them: a profiler
+    session slows every later launch in its process, so nothing is timed after one."""
+    results = harness.Results(STUDY)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    grid = [(s, t, task, mode, v) for s in args.sizes for t in args.tokens for task in args.tasks
+            for mode in args.modes for v in args.variants]
+    plan = [cfg for _ in range(args.passes) for cfg in grid]  # passes alternate the variants: same drift
+    timings, start = collections.defaultdict(list), time.perf_counter()
+    for size, (batch, seq), task, mode, variant in tqdm(plan, desc=STUDY):
+        if args.budget_min and time.perf_counter() - start > 60 * args.budget_min:
+            print(f"budget of {args.budget_min} min spent: the rest of the plan is not measured")
+            break
+        keys = dict(op=task, provider=variant, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
+        results.set_baseline(task, "stock")
+        try:
+            with _configuration(size, (batch, seq), task, mode, variant, device) as (step, first_s):
+                if not timings[tuple(keys.values())]:
+                    results.record(metric="first call s", value=first_s, **keys)
+                wall = harness.time_call(step, "wall", iters=args.iters, warmup_iters=args.warmup)
+                timings[tuple(keys.values())].append(wall)
+                if mode == "eager" and len(timings[tuple(keys.values())]) == 1:
+                    results.record(metric="host ms", value=harness.time_call(step, "host", iters=args.iters), **keys)
+        except torch.OutOfMemoryError as e:
+            results.record(metric="failed", value=1, error=f"out of memory: {str(e)[:200]}", **keys)
+    for key, walls in timings.items():  # the median of each pass's quantiles
+        mid = sorted(walls, key=lambda t: t.p50)[len(walls) // 2]
+        results.record(metric="ms", value=mid, passes=len(walls), **dict(zip(("op", "provider", "shape", "dtype",
+                                                                             "mode"), key)))
+    if cuda and (args.trace or args.syncs):
+        for size, (batch, seq), task, mode, variant in grid:
+            keys = dict(op=task, provider=variant, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
+            with _configuration(size, (batch, seq), task, mode, variant, device) as (step, _):
+                if args.trace:
+                    busy, idle, gaps = gpu_timeline(step)
+                    results.record(metric="GPU busy ms (profiled)", value=busy, **keys)
+                    results.record(metric="GPU idle ms (profiled)", value=idle, **keys)
+                    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:4]
+                    print(f"{keys['shape']} {task} {mode} {variant}: GPU busy {busy:.2f} ms, idle {idle:.2f} ms a "
+                          "step; longest waits before: " + "; ".join(f"{n[:60]} x{c} {us:.0f} us"
+                                                                    for n, (c, us) in top))
+                if mode == "eager":
+                    count, found = synchronizing_calls(step, stacks=args.syncs)
+                    results.record(metric="syncs/step", value=count, **keys)
+                    for i, stack in enumerate(found if args.syncs else []):
+                        print(f"--- {keys['shape']} {task} {variant}: synchronizing call {i + 1} of {count}\n{stack}")
+    return results
+
+
+@contextlib.contextmanager
+def _configuration(size, tokens, task, mode, variant, device):
+    """(step, seconds of its first call) for one configuration; memory given back afterwards."""
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model, vocab = opt_decoder(size, variant, device=device, dtype=torch.bfloat16 if cuda else None)
+    model.eval()  # no dropout in these configs; eval skips transformers' LayerDrop draw
+    step = make_step(model, torch.randint(0, vocab, tokens, device=device), task, mode)
+    t0 = time.perf_counter()
+    step()
+    harness.sync()
+    try:
+        yield step, time.perf_counter() - t0
+    finally:
+        del model, step
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def report(results: harness.Results) -> str:
+    out = []
+    for metric in ("ms", "host ms", "GPU busy ms (profiled)", "GPU idle ms (profiled)", "syncs/step"):
+        rows = results.select(metric=metric)
+        if rows:
+            out += [f"\n{metric} (p50 per step; `x stock`: the stock model's time over the variant's)",
+                    harness.pivot(rows, ["shape", "op", "mode"], baseline="stock")]
+    return "\n".join(out)
+
+
+def parse_tokens(text: str):
+    try:
+        pairs = [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tokens must be BATCHxSEQ[,BATCHxSEQ...], got {text!r}") from None
+    if any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"tokens must be positive BATCHxSEQ pairs, got {text!r}")
+    return pairs
+
+
+def choice_list(known):
+    def parse(text):
+        items = text.split(",")
+        bad = [i for i in items if i not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {list(known)}")
+        return items
+    return parse
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=choice_list(OPT_SIZES), default=["opt-125m", "opt-350m", "opt-1.3b"])
+    p.add_argument("--tokens", type=parse_tokens, default=[(1, 128), (8, 1024)], help="BATCHxSEQ, comma-separated")
+    p.add_argument("--tasks", type=choice_list(("infer", "train")), default=["infer", "train"])
+    p.add_argument("--modes", type=choice_list(MODES), default=["eager"])
+    p.add_argument("--variants", type=choice_list(("stock", "fuselab", "norelu")), default=["stock", "fuselab"])
+    p.add_argument("--iters", type=harness.positive_int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--passes", type=harness.positive_int, default=1,
+                   help="time the plan this many times, alternating configurations (the median pass is kept)")
+    p.add_argument("--trace", action="store_true", help="GPU busy/idle time per step from a profiler trace")
+    p.add_argument("--syncs", action="store_true", help="print the stack of every synchronizing call of a step")
+    p.add_argument("--budget-min", type=float, default=None, help="stop starting new configurations after this")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    harness.add_output_args(p)
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda"):
+        harness.require_cuda(STUDY)
+    path = harness.output_path(args, STUDY)
+    results = run(args)
+    print(report(results))
+    print(f"saved {results.save(path, merge=args.merge)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

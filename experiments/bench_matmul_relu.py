@@ -24,8 +24,6 @@ for every provider. Each fwd provider's output is also checked against float64 (
 """
 import argparse
 import contextlib
-import importlib
-import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -93,12 +91,12 @@ def inductor_fwd(a, b, bias):
 
 @FWD.register("CUDA mma")
 def cuda_mma(a, b, bias):
-    return matmul_relu(a, b, bias, backend="cuda")
+    return torch.ops.fuselab.matmul_relu_cuda(a, b, bias, "mma")
 
 
 @FWD.register("CUDA wgmma")
 def cuda_wgmma(a, b, bias):
-    return matmul_relu(a, b, bias, backend="cuda")
+    return torch.ops.fuselab.matmul_relu_cuda(a, b, bias, "wgmma")
 
 
 @FWD.register("CUDA SIMT (exact fp32)")
@@ -132,29 +130,6 @@ def fuselab_fwd_bwd(a, b, bias, dy):
 
 
 @contextlib.contextmanager
-def cuda_kernel(kernel: str):
-    """The CUDA reference's fp16/bf16 kernel pinned (FUSELAB_CUDA_KERNEL) around a whole timing, not per
-    call; fuselab.settings reads the variable once, so it is told to read it again."""
-    def reread():
-        try:
-            importlib.import_module("fuselab.settings").reload()
-        except (ImportError, AttributeError):  # a version that reads the variable on every call
-            pass
-
-    saved = os.environ.get("FUSELAB_CUDA_KERNEL")
-    os.environ["FUSELAB_CUDA_KERNEL"] = kernel
-    reread()
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("FUSELAB_CUDA_KERNEL", None)
-        else:
-            os.environ["FUSELAB_CUDA_KERNEL"] = saved
-        reread()
-
-
-@contextlib.contextmanager
 def exact_fp32():
     """tf32 off: the CUDA reference then takes its exact SIMT fp32 kernel."""
     allowed = torch.backends.cuda.matmul.allow_tf32
@@ -165,8 +140,7 @@ def exact_fp32():
         torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
-SETTINGS = {"CUDA mma": lambda: cuda_kernel("mma"), "CUDA wgmma": lambda: cuda_kernel("wgmma"),
-            "CUDA SIMT (exact fp32)": exact_fp32}
+SETTINGS = {"CUDA SIMT (exact fp32)": exact_fp32}
 
 
 def wanted(op: str, name: str, shape: str, dtype: str, args) -> bool:

@@ -93,7 +93,7 @@ Cells are medians (p50) of TFLOP/s; `x cuBLASLt` above 1 means faster than cuBLA
 
 CUDA_PROSE = """, and the CUDA C++ reference (`matmul_relu(..., backend="cuda")`): `CUDA mma`
 (mma.sync fed by ldmatrix; in tf32 its WMMA kernel) and `CUDA wgmma` (Hopper's warp-specialized TMA
-kernel, fp16/bf16), each pinned with `FUSELAB_CUDA_KERNEL`; `CUDA SIMT (exact fp32)` (tf32 off)
+kernel, fp16/bf16), each pinned through the op's `kernel` argument; `CUDA SIMT (exact fp32)` (tf32 off)
 and `CUDA naive` (the tutorial's one-thread-per-output kernel, fp32)"""
 
 COMPILE_ORDERS = {"op": ["resnet50 train", "resnet50 infer", "opt train", "opt infer"],
@@ -127,8 +127,7 @@ SPECS: Dict[str, Spec] = {
     "cuda_tiles": Spec(
         title="CUDA C++ mma.sync kernel: build-time tile sweep",
         prose="""\
-Each tile variant of the CUDA reference's fp16/bf16 mma.sync kernel (pinned with
-`FUSELAB_CUDA_KERNEL=mma`) is built, loaded and timed in its own process, with cuBLAS `relu(a @ b)`
+Each tile variant of the CUDA reference's fp16/bf16 mma.sync kernel (pinned: `kernel="mma"`) is built, loaded and timed in its own process, with cuBLAS `relu(a @ b)`
 timed in the same process as the baseline: bf16, 4096^3 with bias, B row-major and B = `weight.t()`.
 Cells are `do_bench` medians (eager mode).""",
         command="python -m experiments.sweep_cuda_tiles --results",

@@ -1,6 +1,6 @@
 """Sweep the CUDA C++ reference's build-time tile shape: build every variant, then time each.
 
-The tile belongs to the fp16/bf16 mma.sync kernel (pinned with FUSELAB_CUDA_KERNEL=mma; tf32 keeps
+The tile belongs to the fp16/bf16 mma.sync kernel (pinned with the op's kernel="mma"; tf32 keeps
 its fixed WMMA tile, Hopper's wgmma kernel its own). Variants build in parallel (one nvcc each),
 then each is loaded and timed in its own process (every variant registers the same op names).
 
@@ -13,7 +13,6 @@ shape 4096x4096x4096 with bias, bf16, eager mode; metrics ``TFLOP/s``, ``ms`` an
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 
@@ -48,12 +47,12 @@ def cublas(a, b, bias):
 
 @PROVIDERS.register("mma, row-major B")
 def mma_row_major(a, b, bias):
-    return torch.ops.fuselab.matmul_relu_cuda(a, b, bias)
+    return torch.ops.fuselab.matmul_relu_cuda(a, b, bias, "mma")  # the swept kernel, not Hopper's wgmma
 
 
 @PROVIDERS.register("mma, weight.t()")
 def mma_weight_t(a, b, bias):
-    return torch.ops.fuselab.matmul_relu_cuda(a, b, bias)
+    return torch.ops.fuselab.matmul_relu_cuda(a, b, bias, "mma")
 
 
 def variant_name(values) -> str:
@@ -97,7 +96,6 @@ def main(argv=None):
         return None
     require_cuda("sweep_cuda_tiles")  # before any build
     if args.one:
-        os.environ["FUSELAB_CUDA_KERNEL"] = "mma"  # the swept kernel, not Hopper's wgmma one (a fresh process)
         print(json.dumps(time_variant([int(v) for v in args.one.split(",")])))
         return None
     out = output_path(args, STUDY)

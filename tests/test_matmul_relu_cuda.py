@@ -4,9 +4,10 @@ The build takes ~2 minutes on 2 cores the first time (cached afterwards): marked
 """
 import pytest
 import torch
+from reference import BIAS_LAYOUTS, assert_close, check_forward_backward, dot_bound, rand_bias, randn
 
 from fuselab.kernels import matmul_relu
-from reference import BIAS_LAYOUTS, assert_close, check_forward_backward, dot_bound, rand_bias, randn
+from fuselab.kernels.matmul_relu_cuda import matmul_relu_cuda
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +24,14 @@ def extension():
 
 
 def test_builds_and_registers(extension):
-    for name in ("matmul_relu_cuda", "matmul_relu_cuda_naive"):
-        schema = str(getattr(torch.ops.fuselab, name).default._schema)
-        assert schema == f"fuselab::{name}(Tensor a, Tensor b, Tensor? bias) -> Tensor"
+    schemas = {name: str(getattr(torch.ops.fuselab, name).default._schema)
+               for name in ("matmul_relu_cuda", "matmul_relu_cuda_naive")}
+    assert schemas == {
+        "matmul_relu_cuda": 'fuselab::matmul_relu_cuda(Tensor a, Tensor b, Tensor? bias, str kernel="auto") -> Tensor',
+        "matmul_relu_cuda_naive": "fuselab::matmul_relu_cuda_naive(Tensor a, Tensor b, Tensor? bias) -> Tensor"}
     a, b = torch.randn(3, 4, device="meta"), torch.randn(4, 5, device="meta")
     assert torch.ops.fuselab.matmul_relu_cuda(a, b, None).shape == (3, 5)  # the fake implementation
+    assert torch.ops.fuselab.matmul_relu_cuda(a, b, None, "mma").shape == (3, 5)
 
 
 def test_cpu_tensors_rejected(extension):
@@ -63,17 +67,16 @@ def test_forward_backward(extension, dtype, precision, a_layout, b_layout):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("bias_layout", BIAS_LAYOUTS)
 @pytest.mark.parametrize("kernel", ["mma", "wgmma"])
-def test_bias_layouts(extension, monkeypatch, dtype, bias_layout, kernel):
+def test_bias_layouts(extension, dtype, bias_layout, kernel):
     # Every kernel reads the bias at its strides (a slice, a column, an expanded scalar), K = 0 too.
     if kernel == "wgmma" and (dtype == torch.float32 or torch.cuda.get_device_capability() != (9, 0)):
         pytest.skip("the wgmma kernel runs fp16/bf16 on an sm_90 GPU")
-    monkeypatch.setenv("FUSELAB_CUDA_KERNEL", kernel)
     M, K, N = 300, 520, 264  # K >= 512 and 16-byte aligned rows: wgmma can run
     bias = rand_bias(N, dtype, "cuda", bias_layout)
     check_forward_backward(randn(M, K, dtype=dtype, device="cuda"), randn(K, N, dtype=dtype, device="cuda"), bias,
-                           dtype, op=lambda a, b, bias: matmul_relu(a, b, bias, backend="cuda"))
-    k0 = matmul_relu(torch.randn(4, 0, dtype=dtype, device="cuda"), torch.randn(0, N, dtype=dtype, device="cuda"),
-                     bias.detach(), backend="cuda")
+                           dtype, op=lambda a, b, bias: matmul_relu_cuda(a, b, bias, kernel=kernel))
+    k0 = matmul_relu_cuda(torch.randn(4, 0, dtype=dtype, device="cuda"), torch.randn(0, N, dtype=dtype, device="cuda"),
+                          bias.detach(), kernel=kernel)
     assert torch.equal(k0, torch.relu(bias.detach()).expand(4, N))
     if dtype == torch.float32:  # the tutorial's kernel, fp32 only: a @ I is exact, so is its output
         a = torch.randn(M, K, device="cuda")
@@ -122,7 +125,7 @@ def test_empty_and_k0(extension):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("b_layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("M,K,N", [(300, 200, 520), (77, 1032, 40), (1031, 72, 264)])
-def test_wgmma_kernel(extension, monkeypatch, dtype, b_layout, M, K, N):
+def test_wgmma_kernel(extension, dtype, b_layout, M, K, N):
     """The Hopper kernel pinned (an error, not a fallback, if it cannot run): ragged tiles in M, N
     and K (TMA's zero fill), both B layouts, with and without bias; the mma.sync kernel agrees."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -134,10 +137,9 @@ def test_wgmma_kernel(extension, monkeypatch, dtype, b_layout, M, K, N):
     bound = dot_bound(dtype, K, a64.abs(), b64.abs())
     outs = {}
     for kernel in ("wgmma", "mma"):
-        monkeypatch.setenv("FUSELAB_CUDA_KERNEL", kernel)
-        y = torch.ops.fuselab.matmul_relu_cuda(a, b, bias)
+        y = torch.ops.fuselab.matmul_relu_cuda(a, b, bias, kernel)
         assert_close(y, torch.relu(a64 @ b64 + bias.double()), bound + 2.0**-24 * bias.double().abs(), kernel)
-        y0 = torch.ops.fuselab.matmul_relu_cuda(a, b, None)
+        y0 = torch.ops.fuselab.matmul_relu_cuda(a, b, None, kernel)
         assert_close(y0, torch.relu(a64 @ b64), bound, f"{kernel} without bias")
         outs[kernel] = y.double()
     assert_close(outs["wgmma"].to(dtype), outs["mma"], 2 * bound + 2.0**-23 * bias.double().abs(), "wgmma vs mma")
@@ -145,7 +147,7 @@ def test_wgmma_kernel(extension, monkeypatch, dtype, b_layout, M, K, N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K,N", [(4100, 640, 600), (64, 2112, 296), (4100, 256, 600), (1000, 520, 696)])
-def test_default_kernel(extension, monkeypatch, M, K, N):
+def test_default_kernel(extension, M, K, N):
     """The default (auto) at shapes where it takes wgmma (long K, a filled GPU; K >= 2048 on few tiles)
     and mma.sync (short K; few tiles): right against float64, and in agreement with both kernels
     pinned. (On the H200 the two kernels' outputs were bit-identical; the choice is about speed.)"""
@@ -154,22 +156,19 @@ def test_default_kernel(extension, monkeypatch, M, K, N):
     bias = torch.randn(N, dtype=torch.bfloat16, device="cuda")
     ref = torch.relu(a.double() @ b.double() + bias.double())
     bound = dot_bound(torch.bfloat16, K, a.double().abs(), b.double().abs()) + 2.0**-24 * bias.double().abs()
-    monkeypatch.delenv("FUSELAB_CUDA_KERNEL", raising=False)
-    y = torch.ops.fuselab.matmul_relu_cuda(a, b, bias)
+    y = torch.ops.fuselab.matmul_relu_cuda(a, b, bias)  # the schema's default: auto
     assert_close(y, ref, bound, "default kernel")
     kernels = ("wgmma", "mma") if torch.cuda.get_device_capability() == (9, 0) else ("mma",)
     for kernel in kernels:
-        monkeypatch.setenv("FUSELAB_CUDA_KERNEL", kernel)
-        assert_close(torch.ops.fuselab.matmul_relu_cuda(a, b, bias), y.double(), 2 * bound, f"default vs {kernel}")
+        assert_close(torch.ops.fuselab.matmul_relu_cuda(a, b, bias, kernel), y.double(), 2 * bound,
+                     f"default vs {kernel}")
 
 
 @pytest.mark.gpu
-def test_wgmma_pin_explains_itself(extension, monkeypatch):
+def test_wgmma_pin_explains_itself(extension):
     a = torch.randn(64, 259, dtype=torch.bfloat16, device="cuda")  # 518-byte rows: no TMA
     b = torch.randn(259, 64, dtype=torch.bfloat16, device="cuda")
-    monkeypatch.setenv("FUSELAB_CUDA_KERNEL", "wgmma")
-    with pytest.raises(RuntimeError, match="FUSELAB_CUDA_KERNEL=wgmma, but"):
-        torch.ops.fuselab.matmul_relu_cuda(a, b, None)
-    monkeypatch.setenv("FUSELAB_CUDA_KERNEL", "fastest")
+    with pytest.raises(RuntimeError, match="kernel=wgmma, but"):
+        matmul_relu_cuda(a, b, None, kernel="wgmma")
     with pytest.raises(RuntimeError, match="must be auto, mma or wgmma"):
-        torch.ops.fuselab.matmul_relu_cuda(a, b, None)
+        torch.ops.fuselab.matmul_relu_cuda(a, b, None, "fastest")

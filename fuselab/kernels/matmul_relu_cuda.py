@@ -93,13 +93,20 @@ def load_extension(verbose: bool = False) -> None:
 
 
 def _register_python_parts():
-    for name in ("fuselab::matmul_relu_cuda", "fuselab::matmul_relu_cuda_naive"):
-        torch.library.register_fake(name, _forward_fake)  # the same contract as the Triton op
-    torch.library.register_autograd("fuselab::matmul_relu_cuda", _backward, setup_context=_setup_context)
+    # The same contract as the Triton op; the fp16/bf16 kernel choice (the op's ``kernel``) has no gradient.
+    torch.library.register_fake("fuselab::matmul_relu_cuda",
+                                lambda a, b, bias, kernel="auto": _forward_fake(a, b, bias))
+    torch.library.register_fake("fuselab::matmul_relu_cuda_naive", _forward_fake)
+    torch.library.register_autograd("fuselab::matmul_relu_cuda", lambda ctx, grad: (*_backward(ctx, grad), None),
+                                    setup_context=lambda ctx, inputs, output: _setup_context(ctx, inputs[:3], output))
 
 
-def matmul_relu_cuda(a, b, bias=None, naive: bool = False):
-    """``relu(a @ b + bias)`` by the CUDA C++ kernels (``naive``: the tutorial's fp32 kernel)."""
+def matmul_relu_cuda(a, b, bias=None, naive: bool = False, kernel: Optional[str] = None):
+    """``relu(a @ b + bias)`` by the CUDA C++ kernels (``naive``: the tutorial's fp32 kernel).
+
+    ``kernel`` picks the fp16/bf16 kernel: ``"auto"`` (wgmma on Hopper where it can run and pays off,
+    else mma.sync), ``"mma"`` or ``"wgmma"`` (an error where it cannot run); None reads the setting
+    ``FUSELAB_CUDA_KERNEL`` (``fuselab.settings``)."""
     not_cuda = [f"{name} on {t.device}" for name, t in (("a", a), ("b", b), ("bias", bias))
                 if t is not None and not t.is_cuda]
     if not_cuda:  # before the build: a CPU tensor must not start minutes of compiling
@@ -108,5 +115,6 @@ def matmul_relu_cuda(a, b, bias=None, naive: bool = False):
     # call or load_extension() having registered the op.
     if not torch.compiler.is_compiling():
         load_extension()
-    op = torch.ops.fuselab.matmul_relu_cuda_naive if naive else torch.ops.fuselab.matmul_relu_cuda
-    return op(a, b, bias)
+    if naive:
+        return torch.ops.fuselab.matmul_relu_cuda_naive(a, b, bias)
+    return torch.ops.fuselab.matmul_relu_cuda(a, b, bias, settings.CUDA_KERNEL.get() if kernel is None else kernel)

@@ -723,9 +723,9 @@ void launch_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Which fp16/bf16 kernel runs: FUSELAB_CUDA_KERNEL=auto (the default: wgmma where it can run and
-// pays off, else mma.sync), mma, or wgmma (an error where it cannot run). Tests and benchmarks pin a
-// kernel this way.
+// Which fp16/bf16 kernel runs, the op's `kernel` argument: auto (wgmma where it can run and pays
+// off, else mma.sync), mma, or wgmma (an error where it cannot run). Python passes the setting
+// FUSELAB_CUDA_KERNEL (read once, fuselab/settings.py); tests and benchmarks pin a kernel this way.
 enum class HalfKernel { Auto, Mma, Wgmma };
 int device_attribute(cudaDeviceAttr attr) {  // of the current device
   int device = 0, value = 0;
@@ -733,11 +733,10 @@ int device_attribute(cudaDeviceAttr attr) {  // of the current device
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
   return value;
 }
-HalfKernel requested_kernel() {
-  const char* v = std::getenv("FUSELAB_CUDA_KERNEL");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return HalfKernel::Auto;
-  if (std::strcmp(v, "mma") == 0) return HalfKernel::Mma;
-  TORCH_CHECK(std::strcmp(v, "wgmma") == 0, "FUSELAB_CUDA_KERNEL must be auto, mma or wgmma, got '", v, "'");
+HalfKernel parse_kernel(c10::string_view kernel) {
+  if (kernel == "auto") return HalfKernel::Auto;
+  if (kernel == "mma") return HalfKernel::Mma;
+  TORCH_CHECK(kernel == "wgmma", "matmul_relu_cuda: kernel must be auto, mma or wgmma, got '", kernel, "'");
   return HalfKernel::Wgmma;
 }
 
@@ -816,8 +815,8 @@ bool wgmma_pays_off(int64_t M, int64_t N, int64_t K) {
 
 // fp16/bf16: the wgmma kernel where it is asked for (or pays off, under auto) and can run, else mma.sync.
 template <typename T, typename ScalarT>
-void launch_half(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, at::Tensor& out, bool b_col) {
-  const HalfKernel want = requested_kernel();
+void launch_half(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bias, at::Tensor& out, bool b_col,
+                 HalfKernel want) {
   const char* why_not = want == HalfKernel::Mma ? "mma.sync was asked for"
                         : want == HalfKernel::Auto && !wgmma_pays_off(a.size(0), b.size(1), a.size(1))
                             ? "mma.sync is faster at this shape"
@@ -825,7 +824,7 @@ void launch_half(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bia
 #if defined(FUSELAB_WGMMA)
   if (why_not == nullptr) return launch_wgmma<T, ScalarT>(a, b, bias, out, b_col);
 #endif
-  TORCH_CHECK(want != HalfKernel::Wgmma, "matmul_relu_cuda: FUSELAB_CUDA_KERNEL=wgmma, but ", why_not);
+  TORCH_CHECK(want != HalfKernel::Wgmma, "matmul_relu_cuda: kernel=wgmma, but ", why_not);
   launch_tiled<T, ScalarT, MmaTile, true>(a, b, bias, out, b_col);
 }
 
@@ -842,8 +841,10 @@ std::vector<int64_t> out_shape(const at::Tensor& a, int64_t n) {
   return shape;
 }
 
-at::Tensor matmul_relu_cuda(const at::Tensor& a_in, const at::Tensor& b_in, const std::optional<at::Tensor>& bias) {
+at::Tensor matmul_relu_cuda(const at::Tensor& a_in, const at::Tensor& b_in, const std::optional<at::Tensor>& bias,
+                            c10::string_view kernel) {
   check_inputs(a_in, b_in, bias);
+  const HalfKernel want = parse_kernel(kernel);  // before any work: a bad name fails on every dtype
   const c10::cuda::CUDAGuard guard(a_in.device());
   const int64_t K = b_in.size(0), N = b_in.size(1);
   at::Tensor a = as_rows(a_in, K);
@@ -862,8 +863,8 @@ at::Tensor matmul_relu_cuda(const at::Tensor& a_in, const at::Tensor& b_in, cons
   const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
   const at::Tensor* biasp = bias ? &bias_c : nullptr;
   switch (a.scalar_type()) {
-    case at::kHalf: launch_half<__half, at::Half>(a, b, biasp, out, b_col); break;
-    case at::kBFloat16: launch_half<__nv_bfloat16, at::BFloat16>(a, b, biasp, out, b_col); break;
+    case at::kHalf: launch_half<__half, at::Half>(a, b, biasp, out, b_col, want); break;
+    case at::kBFloat16: launch_half<__nv_bfloat16, at::BFloat16>(a, b, biasp, out, b_col, want); break;
     case at::kFloat:
       if (at::globalContext().allowTF32CuBLAS()) {
         launch_tiled<float, float, Tf32Tile, false>(a, b, biasp, out, b_col);
@@ -904,7 +905,7 @@ at::Tensor matmul_relu_cuda_naive(const at::Tensor& a_in, const at::Tensor& b, c
 
 TORCH_LIBRARY_FRAGMENT(fuselab, m) {
   m.set_python_module("fuselab.kernels.matmul_relu_cuda");  // where the fake and autograd live
-  m.def("matmul_relu_cuda(Tensor a, Tensor b, Tensor? bias) -> Tensor");
+  m.def("matmul_relu_cuda(Tensor a, Tensor b, Tensor? bias, str kernel=\"auto\") -> Tensor");
   m.def("matmul_relu_cuda_naive(Tensor a, Tensor b, Tensor? bias) -> Tensor");
 }
 

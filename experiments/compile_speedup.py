@@ -52,6 +52,7 @@ from experiments.harness import (
     time_call,
     time_first_call,
 )
+from experiments.models import opt_decoder
 
 STUDY = "compile_speedup"
 MODES = ["eager", "default", "reduce-overhead", "max-autotune"]
@@ -86,39 +87,25 @@ def resnet50(tiny: bool, device):
     return model.to(device), (batch,), batch.shape[0], "img/s"
 
 
-def _opt(tiny: bool, device):
-    from transformers import OPTConfig, OPTForCausalLM
-
-    size = dict(hidden_size=64, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4) if tiny else \
-        dict(hidden_size=1024, num_hidden_layers=12, ffn_dim=4096, num_attention_heads=16)
-    cfg = OPTConfig(vocab_size=512 if tiny else 50272, max_position_embeddings=2048, activation_function="relu",
-                    word_embed_proj_dim=size["hidden_size"], dropout=0.0, attention_dropout=0.0, **size)
-    model = OPTForCausalLM(cfg).to(device)
-    tokens = torch.randint(0, cfg.vocab_size, batch_shape("opt", tiny), device=device)
+def _opt(tiny: bool, device, variant: str):
+    model, vocab = opt_decoder("tiny" if tiny else "opt-1024x12", variant, device=device)
+    tokens = torch.randint(0, vocab, batch_shape("opt", tiny), device=device)
     return model, (tokens,), tokens.numel(), "tok/s"
 
 
 @OPT.register("opt", baseline=True)
 def opt(tiny: bool, device):
-    return _opt(tiny, device)
+    return _opt(tiny, device, "stock")
 
 
 @OPT.register("opt+fuselab")
 def opt_fuselab(tiny: bool, device):
-    from fuselab.nn import fuse_linear_relu
-
-    model, inputs, items, unit = _opt(tiny, device)
-    model, report = fuse_linear_relu(model)
-    assert report.fused, str(report)
-    return model, inputs, items, unit
+    return _opt(tiny, device, "fuselab")
 
 
 @OPT.register("opt-norelu")
 def opt_norelu(tiny: bool, device):
-    model, inputs, items, unit = _opt(tiny, device)
-    for layer in model.model.decoder.layers:
-        layer.activation_fn = torch.nn.Identity()
-    return model, inputs, items, unit
+    return _opt(tiny, device, "norelu")
 
 
 FAMILIES = {"resnet50": RESNET, "opt": OPT}

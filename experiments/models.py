@@ -14,6 +14,7 @@ OPT_SIZES = {
     "opt-125m": (768, 3072, 12, 12),
     "opt-350m": (1024, 4096, 24, 16),
     "opt-1.3b": (2048, 8192, 24, 32),
+    "opt-1024x12": (1024, 4096, 12, 16),  # the compile study's decoder: OPT-350m's width, half its depth
 }
 VARIANTS = ("stock", "fuselab", "norelu")
 

@@ -22,11 +22,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (by fuselab)
 
+from experiments.bench_matmul_relu import FWD  # noqa: E402
 from experiments.harness import ROOT, Providers, Results, add_output_args, output_path, pivot, rel_error, time_call  # noqa: E402
 from fuselab.kernels import matmul_relu  # noqa: E402
 
 STUDY = "quickstart"
-CHECK, TIMED = Providers(), Providers()
+CHECK = Providers()
+TIMED = FWD.select(["cuBLASLt", "fuselab", "relu(addmm)"])  # the benchmark's, baseline cuBLASLt
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -38,21 +40,6 @@ def torch_relu_linear(a, b, bias):
 @CHECK.register("fuselab")
 def fuselab_check(a, b, bias):
     return matmul_relu(a, b, bias)
-
-
-@TIMED.register("cuBLASLt", baseline=True)
-def cublaslt(a, b, bias):
-    return torch._addmm_activation(bias, a, b)
-
-
-@TIMED.register("fuselab")
-def fuselab_timed(a, b, bias):
-    return matmul_relu(a, b, bias)
-
-
-@TIMED.register("relu(addmm)")
-def relu_addmm(a, b, bias):
-    return torch.relu(torch.addmm(bias, a, b))
 
 
 def check(results: Results, device: str, dtype: torch.dtype, M: int, N: int, K: int, mode: str) -> None:
@@ -80,7 +67,7 @@ def time_gpu(results: Results, dtype: torch.dtype, M: int, N: int, K: int) -> No
     a = torch.randn(M, K, device="cuda", dtype=dtype)
     b = torch.randn(K, N, device="cuda", dtype=dtype)
     bias = torch.randn(N, device="cuda", dtype=dtype)
-    for name, fn in TIMED.select(None).items():
+    for name, fn in TIMED.items():
         results.record_time(op="fwd", provider=name, shape=f"{M}x{N}x{K}", dtype=DTYPE_NAMES[dtype], mode="eager",
                             value=time_call(lambda: fn(a, b, bias)), flops=2.0 * M * N * K)
 
@@ -96,7 +83,7 @@ def main(argv=None):
     results = Results(STUDY)
     results.set_baseline("fwd+bwd vs fp64", CHECK)
     if on_gpu:
-        results.set_baseline("fwd", TIMED)
+        results.set_baseline("fwd", FWD)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             check(results, "cuda", dtype, 1031, 777, 515, "eager")
             if dtype != torch.float32:

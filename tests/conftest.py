@@ -46,3 +46,14 @@ def pytest_runtest_makereport(item, call):
     if report.failed and seed is not None:
         report.sections.append(("random seed", f"{seed}; rerun on the same inputs: "
                                                f"{SEED_ENV}={seed} pytest '{item.nodeid}'"))
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """The environment, restored after the test together with the settings read from it (a test
+    that changes a variable calls ``fuselab.settings.reload()``)."""
+    from fuselab import settings
+
+    yield monkeypatch
+    monkeypatch.undo()
+    settings.reload()

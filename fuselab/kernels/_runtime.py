@@ -45,12 +45,6 @@ def execution_path(t: torch.Tensor, *, exact_fp32_on_cuda_uses_torch: bool = Fal
     return ExecutionPath.TRITON
 
 
-def uses_triton(t: torch.Tensor) -> bool:
-    """Whether ``t`` is where Triton kernels can run (CUDA, or any tensor under the interpreter).
-    Being replaced by ``execution_path(t) is not ExecutionPath.TORCH_ON_CPU``."""
-    return t.is_cuda or (INTERPRET and t.is_cpu)
-
-
 def register_op(qualname: str, fake: Callable, mutates_args: Tuple[str, ...] = ()) -> Callable:
     """Decorator: register ``fn`` as the op ``qualname`` (``fuselab::name``), schema from its annotations."""
 

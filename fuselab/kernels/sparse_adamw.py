@@ -1,113 +1,213 @@
-"""Fused lazy AdamW update for the rows a sparse (COO) gradient touches, in one Triton kernel.
+"""Fused lazy AdamW update of the rows a sparse (COO) gradient touches: a sort, then two Triton kernels.
 
-The gradient arrives uncoalesced (``nn.Embedding(sparse=True)`` emits one row per lookup).
-Instead of ``grad.coalesce()`` (which sorts, then writes the summed rows out) each row's
-lookups are linked into a list: a row-sized int32 scratch holds each touched row's head and
-``atomic_xchg`` pushes every lookup onto its row's list (a gather, a scatter, no sort: sorting
-65,536 keys took as long as the update itself on an H200). The program whose lookup ended up at
-the head owns the row: it sums the row's gradients in registers in increasing lookup order (so
-the result is bitwise deterministic whatever order the list was linked in), reads m, v, p once
-and writes them once; every other program exits at once. The scratch is 4 bytes a row, under
-1/(3 dim) of the optimizer state. The step count is read from device memory and nothing syncs
-with the host, so the whole training step can be captured in a CUDA graph. Math is fp32
-(fp16/bf16/fp32 parameters); float64 parameters take the PyTorch path.
+The gradient arrives uncoalesced: ``nn.Embedding(sparse=True)`` emits one (id, gradient row) pair per
+lookup, so a row looked up L times appears L times, anywhere in the list. One step:
+
+1. ``torch.sort(ids, stable=True)`` (4-byte keys, a radix sort on the GPU) makes each row's lookups
+   one contiguous *segment* of the sorted positions, in lookup order.
+2. ``segment_kernel``: the sorted positions are cut into chunks of CHUNK. One program per chunk and
+   block of columns gathers its chunk's gradient rows through the sort's permutation and sums each
+   segment's piece of the chunk with a segmented scan (log2(CHUNK) shift-and-add steps). A segment
+   that starts and ends in the chunk is complete: the program applies AdamW to its row at once. A
+   segment that crosses a chunk boundary leaves the sums of its pieces in a scratch buffer: its
+   *tail* (the piece that ends its first chunk) and one *head* (the piece that starts the chunk) for
+   every later chunk it reaches.
+3. ``crossing_kernel``: for each crossing segment, the program of the chunk where it starts adds its
+   tail and the heads of the following chunks, in chunk order, HEADS at a time, then updates the row.
+
+Each row is updated by exactly one program; the summation tree (the scan inside a chunk, then the
+chunk partials in order) depends only on the ids, so the sums are bitwise the same whatever order
+the programs run in. Nothing reads a size back to the host (the grids depend on the number of
+lookups and the row size only) and the step count is read on the device, so a whole training step
+can be captured in a CUDA graph.
+
+Cost model, for n lookups of U distinct rows of D columns (any distribution of ids, including all n
+lookups on one row):
+
+- the sort: O(n), a few passes over 12 bytes a lookup (int32 ids, int64 permutation);
+- ``segment_kernel``: every gradient row and id read once (n D), at most 2 partial rows written per
+  chunk (2 n D / CHUNK);
+- ``crossing_kernel``: every head read at most once (n D / CHUNK in all); its one sequential part is a
+  crossing row's own loop over its heads, L / (CHUNK HEADS) tile loads for a row looked up L times:
+  a few iterations even when one row holds every lookup;
+- between them, p, m and v of every touched row read and written once (6 U D);
+- parallelism: n / CHUNK programs (times the column blocks) in each kernel, whatever the repeats;
+- scratch: the sorted ids and permutation (12 n bytes) and the partial rows (2 / CHUNK of an fp32
+  gradient).
+
+Math is fp32 for fp32/bf16/fp16 parameters (rows are loaded, updated and stored in their dtype), with
+IEEE-rounded division and square roots as torch's AdamW. The bias corrections 1 - beta**t are computed
+in float64 on the device: beta arrives as two fp32 halves (hi + lo: beta to 2**-48) and beta**t comes
+from repeated squaring over the bits of t (2 log2(t) roundings of 2**-53), so 1 - beta**t keeps ~1e-9
+relative accuracy even where it is small (beta2 = 0.99999, t = 1: 1e-5) before its one rounding to
+fp32; 1 - beta itself is passed from the host, not formed from an fp32 beta. The ids must be valid row
+indices (a sparse gradient's are): the kernels do not check them. float64 parameters take the PyTorch
+path (``sparse_adamw_torch``: ``coalesce()``, which waits for the host).
 """
-import math
+import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._runtime import launch, register_op, untraced, uses_triton
+from fuselab.kernels._runtime import ExecutionPath, execution_path, launch, register_op, untraced
 
-LINK_BLOCK = 1024
-
-
-@triton.jit
-def link_lookups_kernel(heads_ptr, next_ptr, indices_ptr, nnz, BLOCK: tl.constexpr):
-    # heads[row] was reset to -1 for every touched row; afterwards heads[row] -> next -> ... -> -1
-    # visits each lookup of the row once.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < nnz
-    rows = tl.load(indices_ptr + offs, mask=live, other=0)
-    prev = tl.atomic_xchg(heads_ptr + rows, offs, mask=live)
-    tl.store(next_ptr + offs, prev, mask=live)
+CHUNK = 64  # sorted positions one segment_kernel program sums (a power of two)
+LOG2_CHUNK = CHUNK.bit_length() - 1
+TILE = 4096  # elements of a program's (positions, columns) tile: 32 fp32 registers a thread at 4 warps
 
 
 @triton.jit
-def sparse_adamw_kernel(
-    param_ptr, exp_avg_ptr, exp_avg_sq_ptr, indices_ptr, heads_ptr, next_ptr, values_ptr, step_ptr,
-    nnz, dim, stride_p, stride_m, stride_v, stride_g,
-    lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
-    MAXIMIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+def _one_minus_pow(beta_hi, beta_lo, t):
+    # 1 - beta**t in float64 for an integer t >= 0, beta = hi + lo: squaring over t's bits.
+    base = tl.cast(beta_hi, tl.float64) + tl.cast(beta_lo, tl.float64)
+    power = base * 0.0 + 1.0
+    e = t
+    while e > 0:
+        power = tl.where(e % 2 == 1, power * base, power)
+        base = base * base
+        e = e // 2
+    return 1.0 - power
+
+
+@triton.jit
+def _adamw(p_ptrs, m_ptrs, v_ptrs, g, mask, step_ptr, lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo,
+           one_minus_beta2, eps, decay, MAXIMIZE: tl.constexpr):
+    # The SparseAdamW rule on the rows behind the pointers, g their summed gradient (fp32).
+    t = tl.load(step_ptr).to(tl.int64)
+    step_size = (tl.cast(lr, tl.float64) / _one_minus_pow(beta1_hi, beta1_lo, t)).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt_rn(_one_minus_pow(beta2_hi, beta2_lo, t).to(tl.float32))
+    if MAXIMIZE:
+        g = -g
+    p = tl.load(p_ptrs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptrs, mask=mask).to(tl.float32)
+    v = tl.load(v_ptrs, mask=mask).to(tl.float32)
+    m = beta1_hi * m + one_minus_beta1 * g
+    v = beta2_hi * v + one_minus_beta2 * g * g
+    p = p * decay
+    # IEEE-rounded sqrt and division, as torch's own AdamW (tl.sqrt would flush subnormal v to zero).
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty), mask=mask)
+    tl.store(m_ptrs, m.to(m_ptrs.dtype.element_ty), mask=mask)
+    tl.store(v_ptrs, v.to(v_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def segment_kernel(
+    ids_ptr, order_ptr, values_ptr, partial_ptr, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr,
+    nnz, n_chunks, dim, stride_g, stride_p, stride_m, stride_v,
+    lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay,
+    MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    row = tl.load(indices_ptr + i).to(tl.int64)
-    if tl.load(heads_ptr + row) == i:  # this program owns the row
-        # Bias corrections from the step count on the device: 1 - beta**t = 1 - 2**(t*log2(beta)).
-        t = tl.load(step_ptr).to(tl.float32)
-        bias_correction1 = 1 - tl.exp2(t * log2_beta1)
-        bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(t * log2_beta2))
-        lookups = 0  # the length of the row's list
-        j = i
-        while j >= 0:
-            lookups += 1
-            j = tl.load(next_ptr + j)
-        for d0 in range(0, dim, BLOCK_D):
-            offs = d0 + tl.arange(0, BLOCK_D)
-            in_row = offs < dim
-            p_ptrs = param_ptr + row * stride_p + offs
-            m_ptrs = exp_avg_ptr + row * stride_m + offs
-            v_ptrs = exp_avg_sq_ptr + row * stride_v + offs
-            p = tl.load(p_ptrs, mask=in_row).to(tl.float32)
-            m = tl.load(m_ptrs, mask=in_row).to(tl.float32)
-            v = tl.load(v_ptrs, mask=in_row).to(tl.float32)
-            # Sum the lookups in increasing order: pick the smallest lookup past the last one added.
-            g = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            added = -1
-            for _ in range(lookups):
-                pick = nnz
-                j = i
-                while j >= 0:
-                    pick = tl.where((j > added) & (j < pick), j, pick)
-                    j = tl.load(next_ptr + j)
-                g += tl.load(values_ptr + pick.to(tl.int64) * stride_g + offs, mask=in_row, other=0.0).to(tl.float32)
-                added = pick
-            if MAXIMIZE:
-                g = -g
-            m = beta1 * m + (1 - beta1) * g
-            v = beta2 * v + (1 - beta2) * g * g
-            p = p * (1 - lr * weight_decay)
-            p = p - (lr / bias_correction1) * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
-            tl.store(p_ptrs, p.to(param_ptr.dtype.element_ty), mask=in_row)
-            tl.store(m_ptrs, m.to(exp_avg_ptr.dtype.element_ty), mask=in_row)
-            tl.store(v_ptrs, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=in_row)
+    c = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    pos = c * CHUNK + lane
+    live = pos < nnz
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_row = cols < dim
+    # Valid ids are >= 0, so -1 past either end starts or ends a segment there.
+    ids = tl.load(ids_ptr + pos, mask=live, other=-1)
+    seg_start = ids != tl.load(ids_ptr + pos - 1, mask=live & (pos > 0), other=-1)
+    seg_end = ids != tl.load(ids_ptr + pos + 1, mask=pos + 1 < nnz, other=-1)
+    piece = tl.cumsum((seg_start | (lane == 0)).to(tl.int32), axis=0)  # 1, 2, ...: the segments' pieces here
+    src = tl.load(order_ptr + pos, mask=live, other=0).to(tl.int64)
+    g = tl.load(values_ptr + src[:, None] * stride_g + cols[None, :], mask=live[:, None] & in_row[None, :],
+                other=0.0).to(tl.float32)
+    # Segmented inclusive scan: after step k each lane holds the sum of the last 2**(k+1) lanes of its piece.
+    for k in tl.static_range(LOG2_CHUNK):
+        from_lane = tl.maximum(lane - (1 << k), 0)
+        same = (lane >= (1 << k)) & (tl.gather(piece, from_lane, 0) == piece)
+        shifted = tl.gather(g, tl.broadcast_to(from_lane[:, None], (CHUNK, BLOCK_D)), 0)
+        g = tl.where(same[:, None], g + shifted, g)
+    # The chunk's first piece belongs to a segment that began in an earlier chunk ("joined").
+    first = tl.load(ids_ptr + c * CHUNK)
+    joined = (first == tl.load(ids_ptr + c * CHUNK - 1, mask=c > 0, other=-1)) & (piece == 1)
+    head = joined & (seg_end | (lane == CHUNK - 1)) & live
+    tail = ~joined & ~seg_end & (lane == CHUNK - 1) & live
+    slot = (tl.where(tail, n_chunks, 0) + c).to(tl.int64)  # heads in partial[0], tails in partial[1]
+    tl.store(partial_ptr + slot[:, None] * dim + cols[None, :], g,
+             mask=(head | tail)[:, None] & in_row[None, :])
+    done = ~joined & seg_end & live  # segments that start and end in this chunk
+    rows = ids.to(tl.int64)[:, None]
+    _adamw(param_ptr + rows * stride_p + cols[None, :], exp_avg_ptr + rows * stride_m + cols[None, :],
+           exp_avg_sq_ptr + rows * stride_v + cols[None, :], g, done[:, None] & in_row[None, :], step_ptr,
+           lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay, MAXIMIZE)
 
 
-def _log2(beta: float) -> float:
-    return math.log2(beta) if beta > 0 else -math.inf  # beta = 0: 2**(-inf * t) = 0 for t >= 1
+@triton.jit
+def crossing_kernel(
+    ids_ptr, partial_ptr, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr,
+    n_chunks, dim, stride_p, stride_m, stride_v,
+    lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay,
+    MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    c = tl.program_id(0)  # chunks 0 .. n_chunks - 2: each has a successor
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_row = cols < dim
+    last = c * CHUNK + CHUNK - 1
+    row = tl.load(ids_ptr + last)
+    first = tl.load(ids_ptr + c * CHUNK)
+    joined = (first == row) & (first == tl.load(ids_ptr + c * CHUNK - 1, mask=c > 0, other=-1))
+    if (row == tl.load(ids_ptr + last + 1)) & ~joined:  # this chunk starts a segment that crosses its end
+        g = tl.load(partial_ptr + (n_chunks + c).to(tl.int64) * dim + cols, mask=in_row, other=0.0)
+        k0 = c + 1
+        more = k0 < n_chunks
+        while more:  # the heads of the chunks the segment reaches, in order; a prefix of each tile matches
+            ks = k0 + tl.arange(0, HEADS)
+            reach = (tl.load(ids_ptr + ks.to(tl.int64) * CHUNK, mask=ks < n_chunks, other=-1) == row) & (ks < n_chunks)
+            g += tl.sum(tl.load(partial_ptr + ks.to(tl.int64)[:, None] * dim + cols[None, :],
+                                mask=reach[:, None] & in_row[None, :], other=0.0), axis=0)
+            more = tl.min(reach.to(tl.int32), axis=0) == 1
+            k0 += HEADS
+        r = row.to(tl.int64)
+        _adamw(param_ptr + r * stride_p + cols, exp_avg_ptr + r * stride_m + cols,
+               exp_avg_sq_ptr + r * stride_v + cols, g, in_row, step_ptr, lr, beta1_hi, beta1_lo,
+               one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay, MAXIMIZE)
+
+
+def _halves(x: float):
+    """``x`` as hi + lo, both representable in fp32 (Triton passes float scalars as fp32)."""
+    hi = struct.unpack("f", struct.pack("f", x))[0]
+    return hi, x - hi
+
+
+def _blocks(dim: int):
+    """(segment_kernel's column block, its warps, crossing_kernel's column block, its HEADS)."""
+    width = max(16, triton.next_power_of_2(dim))
+    block_d = min(width, TILE // CHUNK)
+    # A crossing row's loop over its heads is its one sequential part: its columns go to ~8 programs.
+    block_d2 = min(max(16, width // 8), 256)
+    return block_d, max(1, CHUNK * block_d // 1024), block_d2, TILE // block_d2
 
 
 def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps,
                         weight_decay, step, maximize) -> None:
     nnz, dim = values.shape
-    if nnz >= 2**31:
-        raise ValueError(f"at most 2**31 - 1 lookups a step, got {nnz}")
+    if nnz > 2**31 - 2 * CHUNK:
+        raise ValueError(f"at most 2**31 - {2 * CHUNK} lookups a step, got {nnz}")
     if any(t.stride(1) != 1 for t in (param, exp_avg, exp_avg_sq)) and dim > 1:
         raise ValueError("the fused update needs parameter and state rows with unit column stride")
-    # The kernels read ids and gradient rows with unit strides; index_fill_ wants int64 ids.
-    indices = indices.to(torch.int64).contiguous()
     if dim > 1 and values.stride(1) != 1:
         values = values.contiguous()
-    heads = torch.empty(param.shape[0], dtype=torch.int32, device=param.device)
-    heads.index_fill_(0, indices, -1)  # only touched rows are ever read
-    nxt = torch.empty(nnz, dtype=torch.int32, device=param.device)
-    launch(link_lookups_kernel, (triton.cdiv(nnz, LINK_BLOCK),), heads, nxt, indices, nnz, BLOCK=LINK_BLOCK)
-    block_d = min(triton.next_power_of_2(dim), 1024)
-    launch(sparse_adamw_kernel, (nnz,), param, exp_avg, exp_avg_sq, indices, heads, nxt, values, step, nnz, dim,
-           param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0), values.stride(0), lr, beta1, beta2,
-           _log2(beta1), _log2(beta2), eps, weight_decay, MAXIMIZE=maximize, BLOCK_D=block_d,
-           num_warps=min(max(block_d // 128, 1), 8))  # 4 columns a thread: 16-byte accesses
+    # 4-byte keys halve the radix sort's passes; stable keeps each row's lookups in lookup order.
+    keys = indices.to(torch.int32 if param.shape[0] < 2**31 else torch.int64)
+    ids, order = torch.sort(keys, stable=True)
+    n_chunks = triton.cdiv(nnz, CHUNK)
+    partial = torch.empty((2, n_chunks, dim), dtype=torch.float32, device=param.device)
+    block_d, warps, block_d2, heads = _blocks(dim)
+    beta1_hi, beta1_lo = _halves(float(beta1))
+    beta2_hi, beta2_lo = _halves(float(beta2))
+    hyper = (float(lr), beta1_hi, beta1_lo, 1.0 - beta1, beta2_hi, beta2_lo, 1.0 - beta2, float(eps),
+             1.0 - lr * weight_decay)
+    strides = (param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0))
+    launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)), ids, order, values, partial, param, exp_avg,
+           exp_avg_sq, step, nnz, n_chunks, dim, values.stride(0), *strides, *hyper, MAXIMIZE=maximize,
+           CHUNK=CHUNK, LOG2_CHUNK=LOG2_CHUNK, BLOCK_D=block_d, num_warps=warps)
+    if n_chunks > 1:
+        launch(crossing_kernel, (n_chunks - 1, triton.cdiv(dim, block_d2)), ids, partial, param, exp_avg, exp_avg_sq,
+               step, n_chunks, dim, *strides, *hyper, MAXIMIZE=maximize, CHUNK=CHUNK, HEADS=heads,
+               BLOCK_D=block_d2, num_warps=4)
 
 
 def sparse_adamw_torch(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps,
@@ -116,9 +216,10 @@ def sparse_adamw_torch(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, b
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32  # fp32 math for 16-bit
     t = float(step)  # exact bias corrections in float64, as torch.optim.AdamW computes them
     bias_correction1, bias_correction2_sqrt = 1 - beta1**t, (1 - beta2**t) ** 0.5
-    grad = torch.sparse_coo_tensor(indices[None], values, (param.shape[0], values.shape[1]),
+    # Duplicates summed in the math dtype: coalesce() adds in the values' dtype (bf16 sums lose digits).
+    grad = torch.sparse_coo_tensor(indices[None], values.to(dtype), (param.shape[0], values.shape[1]),
                                    check_invariants=False).coalesce()
-    rows, g = grad.indices()[0], grad.values().to(dtype)
+    rows, g = grad.indices()[0], grad.values()
     g = -g if maximize else g
     m = exp_avg[rows].to(dtype).mul_(beta1).add_(g, alpha=1 - beta1)
     v = exp_avg_sq[rows].to(dtype).mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -139,8 +240,8 @@ def _update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
             weight_decay: float, maximize: bool) -> None:
     if values.shape[0] == 0 or values.shape[1] == 0:
         return
-    # Triton passes float scalars as fp32, so float64 parameters keep PyTorch's float64 math.
-    fused = uses_triton(param) and param.dtype != torch.float64
+    # float64 parameters keep PyTorch's float64 math (ExecutionPath.TORCH_FLOAT64)
+    fused = execution_path(param) is ExecutionPath.TRITON
     update = sparse_adamw_triton if fused else sparse_adamw_torch
     update(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps, weight_decay, step, maximize)
 
@@ -152,7 +253,7 @@ register_op("fuselab::sparse_adamw_update_", fake=_update_fake,
 def sparse_adamw_update_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          indices: torch.Tensor, values: torch.Tensor, step: torch.Tensor, lr: float,
                          beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool) -> None:
-    """AdamW on the rows ``indices`` (1-D, duplicates allowed and summed) of 2-D ``param``.
+    """AdamW on the rows ``indices`` (1-D, valid row ids, duplicates allowed and summed) of 2-D ``param``.
 
     ``values`` is (nnz, dim); ``step`` is a 0-dim tensor holding the step count after this step
     (>= 1), on the parameter's device for the fused kernel. The update rule is written out in

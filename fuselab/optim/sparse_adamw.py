@@ -1,10 +1,31 @@
 """SparseAdamW: AdamW for dense gradients, lazy row-wise AdamW for sparse (COO) gradients."""
-from typing import Iterable, Optional, Tuple
+import numbers
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.adamw import adamw
 
 from fuselab.kernels.sparse_adamw import sparse_adamw_update_
+
+
+def _check_hyperparameters(group: dict) -> None:
+    """ValueError naming the first bad hyperparameter of a parameter group."""
+    if not 0.0 <= group["lr"]:
+        raise ValueError(f"invalid learning rate {group['lr']}: must be >= 0")
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"invalid eps {group['eps']}: must be >= 0")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"invalid weight_decay {group['weight_decay']}: must be >= 0")
+    betas = group["betas"]
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor) and beta.numel() == 1 and not beta.is_complex():
+            beta = beta.item()
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+            raise ValueError(f"invalid beta{i + 1} {beta!r}: must be a real number in [0, 1)")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"invalid beta{i + 1} {beta}: must be in [0, 1)")
 
 
 class SparseAdamW(torch.optim.Optimizer):
@@ -25,30 +46,41 @@ class SparseAdamW(torch.optim.Optimizer):
     That is AdamW's update of a touched row, eps added after bias correction as AdamW does
     (``torch.optim.SparseAdam`` adds eps before it: ``lr*sqrt(1-beta2**t)/(1-beta1**t) *
     m/(sqrt(v)+eps)``). The difference from dense AdamW: untouched rows are neither decayed nor
-    moved, and their moments do not decay either. On CUDA the sparse update is one fused Triton
-    kernel (``torch.ops.fuselab.sparse_adamw_update_``, fp32 math for fp32/bf16/fp16 parameters);
-    on CPU, and for float64 parameters, it runs in PyTorch.
+    moved, and their moments do not decay either. On CUDA the sparse update is a sort and two
+    fused Triton kernels (``torch.ops.fuselab.sparse_adamw_update_``: fp32 math for fp32/bf16/fp16
+    parameters, bitwise-deterministic sums, no host sync, so a whole training step can be captured
+    in a CUDA graph, dense parameters of that step given fused=True; cost O(lookups + touched rows x
+    row size) however often a row repeats); on CPU, and for float64 parameters, it runs in PyTorch
+    (``coalesce()``, which syncs with the host).
+    Complex parameters are updated as (real, imag) pairs, as ``torch.optim.AdamW`` does.
 
-    ``amsgrad`` applies to dense gradients only. Raises ValueError for lr, eps or weight_decay < 0,
-    betas outside [0, 1), a sparse gradient in a group with amsgrad=True, and a sparse gradient
-    that is not a row-sparse COO tensor of a parameter with contiguous rows.
+    ``amsgrad`` applies to dense gradients only. Raises ValueError at construction (and in
+    ``add_param_group``) for lr, eps or weight_decay < 0, betas that are not two numbers in [0, 1),
+    and fused=True with complex parameters; at ``step()`` for a sparse gradient in a group with
+    amsgrad=True and a sparse gradient that is not a row-sparse COO tensor of a parameter with
+    contiguous rows.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None):
-        if not 0.0 <= lr:
-            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
-        if not 0.0 <= eps:
-            raise ValueError(f"invalid eps {eps}: must be >= 0")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"invalid beta{i + 1} {beta}: must be in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, fused=fused)
+        _check_hyperparameters(defaults)
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        # Checked before torch adds it: a bad group raises here, not inside a later step().
+        group = {**self.defaults, **param_group}
+        _check_hyperparameters(group)
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a generator is read once, here (torch rejects sets)
+            params = param_group["params"] = list(params)
+        tensors = [params] if isinstance(params, torch.Tensor) else params
+        if group["fused"] and any(isinstance(p, torch.Tensor) and torch.is_complex(p) for p in tensors):
+            raise ValueError("fused=True does not take complex parameters (neither does torch.optim.AdamW): "
+                             "use foreach=True or the default")
+        super().add_param_group(param_group)
 
     def _state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
@@ -70,12 +102,15 @@ class SparseAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _rows(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """``t`` as (rows, row_numel) with unit-stride rows, or a ValueError that says why not."""
+        """``t`` as (rows, row_numel) real numbers with unit-stride rows, or a ValueError that says why not.
+        A complex tensor is viewed as (real, imag) pairs, as torch.optim.AdamW treats it."""
         if grad.layout != torch.sparse_coo:
             raise ValueError(f"sparse gradients must be COO (torch.sparse_coo), got {grad.layout}")
         if grad.sparse_dim() != 1:
             raise ValueError(f"sparse gradient must be row-sparse (sparse_dim 1), got sparse_dim "
                              f"{grad.sparse_dim()} for a parameter of shape {tuple(t.shape)}")
+        if t.is_complex():
+            t = torch.view_as_real(t)
         try:
             rows = t.view(t.shape[0], -1)
         except RuntimeError:
@@ -93,6 +128,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            betas = float(beta1), float(beta2)
             dense = ([], [], [], [], [], [])
             for p in group["params"]:
                 if p.grad is None:
@@ -106,9 +142,12 @@ class SparseAdamW(torch.optim.Optimizer):
                     rows = [self._rows(t, grad) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
                     self._step_on_device(p)
                     state["step"] += 1
-                    values = grad._values().reshape(grad._nnz(), rows[0].shape[1])
+                    values = grad._values()
+                    values = torch.view_as_real(values) if values.is_complex() else values
+                    values = values.reshape(grad._nnz(), rows[0].shape[1])
                     sparse_adamw_update_(*rows, grad._indices()[0], values, state["step"], float(group["lr"]),
-                                         beta1, beta2, group["eps"], group["weight_decay"], group["maximize"])
+                                         *betas, float(group["eps"]), float(group["weight_decay"]),
+                                         group["maximize"])
                 else:
                     for lst, t in zip(dense, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                               state.get("max_exp_avg_sq"), state["step"])):
@@ -117,8 +156,9 @@ class SparseAdamW(torch.optim.Optimizer):
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = dense
                 if group["fused"]:
                     steps = [self._step_on_device(p) for p in params]
+                # has_complex: torch's foreach code views complex tensors as real pairs only when told to.
                 adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if group["amsgrad"] else [], steps,
                       foreach=group["foreach"], fused=group["fused"], amsgrad=group["amsgrad"], beta1=beta1,
                       beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                      maximize=group["maximize"])
+                      maximize=group["maximize"], has_complex=any(torch.is_complex(p) for p in params))
         return loss

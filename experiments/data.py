@@ -13,7 +13,9 @@
 """
 import base64
 import io
+import os
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -66,12 +68,19 @@ def fashion_mnist(root: Path = FASHION_MNIST) -> List[Tuple[torch.Tensor, torch.
     return [(ds.data, ds.targets) for ds in splits]
 
 
+def _temp_beside(path: Path) -> Path:
+    """A new empty file next to ``path``, unique per process (ranks of one job may write at once)."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return Path(name)
+
+
 def _gunzip(src: Path, dst: Path) -> None:
     """``src`` decompressed to ``dst``, written under a temporary name and renamed when whole."""
     import gzip
     import shutil
 
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp = _temp_beside(dst)
     try:
         with gzip.open(src, "rb") as fin, open(tmp, "wb") as fout:
             shutil.copyfileobj(fin, fout)
@@ -142,7 +151,7 @@ def gpt2_tokens(corpus: Path = PYTHON_DOCS, sdist: Path = WHISPER_SDIST, max_tok
         chunks = enc.encode_ordinary_batch([f.read_text(errors="replace") for f in files])
         ids = torch.tensor([t for chunk in chunks for t in chunk + [GPT2_EOT]], dtype=torch.int64)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
+        tmp = _temp_beside(cache)
         torch.save(ids, tmp)
         tmp.replace(cache)
     return ids[:max_tokens] if max_tokens else ids

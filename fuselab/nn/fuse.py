@@ -109,21 +109,35 @@ def _is_linear_layer(module) -> bool:
     return isinstance(module, nn.Linear) or _is_conv1d(module)
 
 
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are DTensors (FSDP's fully_shard, say): FSDP gathers them into
+    this module object before each forward, so a fused layer must be this object."""
+    return any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False))
+
+
+def _converted_in_place(layer: nn.Module, cls: type) -> nn.Module:
+    layer.__class__ = cls  # same attributes, parameters and FSDP bookkeeping; only the forward changes
+    return layer
+
+
 def _fused_layer(layer):
-    """The converter to a fused layer for ``layer`` (an exact nn.Linear or transformers' Conv1D), else None."""
-    if type(layer) is nn.Linear:
-        return FusedLinearReLU.from_linear
-    if _is_conv1d(layer):
-        return FusedConv1DReLU.from_conv1d
-    return None
+    """The converter to a fused layer for ``layer`` (an exact nn.Linear or transformers' Conv1D), else
+    None: a new layer sharing its parameters, or for a sharded layer the same object, converted."""
+    cls = FusedLinearReLU if type(layer) is nn.Linear else FusedConv1DReLU if _is_conv1d(layer) else None
+    if cls is None:
+        return None
+    if _sharded(layer):
+        return functools.partial(_converted_in_place, cls=cls)
+    return cls.from_linear if cls is FusedLinearReLU else cls.from_conv1d
 
 
 def _why_not_swapped(module: nn.Module) -> Optional[str]:
-    """Why replacing ``module`` (a layer, or its ReLU) by another module object could change the
-    model; None where it cannot."""
-    if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
-        return ("its parameters are sharded DTensors (FSDP's fully_shard, say) that FSDP gathers into this "
-                "module only: fuse before sharding")
+    """Why replacing ``module`` (a layer, or its ReLU) by a fused one could change the model; None
+    where it cannot."""
+    if _sharded(module):  # converted in place: its state-dict hooks (FSDP's) stay, and run as before
+        hooks = [name.strip("_") for name, value in vars(module).items()
+                 if name.endswith("_hooks") and value and "state_dict" not in name]
+        return f"has hooks ({', '.join(hooks)}) that would see the ReLU's output" if hooks else None
     if parametrize.is_parametrized(module):
         return "its weight is parametrized (torch.nn.utils.parametrize), which a fused layer would bypass"
     if any(isinstance(hook, prune.BasePruningMethod) for hook in module._forward_pre_hooks.values()):
@@ -167,8 +181,8 @@ def _decide(name: str, layer, why: Optional[str], filter_fn, skipped: Dict[str, 
 # Module patching: Hugging Face blocks and Sequential pairs, planned first, then applied
 # ----------------------------------------------------------------------------------------------
 
-# One planned swap: (report name, parent module, the layer's key, its fused layer, the ReLU's key).
-_Swap = Tuple[str, nn.Module, str, nn.Module, str]
+# One planned swap: (report name, parent module, the layer's key, what makes its fused layer, the ReLU's key).
+_Swap = Tuple[str, nn.Module, str, Callable[[], nn.Module], str]
 
 
 def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
@@ -188,7 +202,7 @@ def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
         else:
             why = _why_not_fusable(layer, act)
         if _decide(full, layer, why, filter_fn, report.skipped):
-            swaps.append((full, block, lin_attr, _fused_layer(layer)(layer), act_attr))
+            swaps.append((full, block, lin_attr, functools.partial(_fused_layer(layer), layer), act_attr))
     return swaps
 
 
@@ -211,7 +225,7 @@ def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:
             else:
                 why = _why_not_fusable(layer, act)
             if _decide(full, layer, why, filter_fn, report.skipped):
-                swaps.append((full, seq, key, _fused_layer(layer)(layer), act_key))
+                swaps.append((full, seq, key, functools.partial(_fused_layer(layer), layer), act_key))
     return swaps
 
 
@@ -232,8 +246,8 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Option
     swaps = _plan_hf_blocks(model, filter_fn, report) + _plan_sequentials(model, filter_fn, report)
     result, others = model, "not followed by ReLU in a known block or Sequential"
     if swaps:  # every decision is made: only assignments from here on
-        for name, parent, layer_key, fused, act_key in swaps:
-            setattr(parent, layer_key, fused)
+        for name, parent, layer_key, make_fused, act_key in swaps:
+            setattr(parent, layer_key, make_fused())
             setattr(parent, act_key, nn.Identity())
             report.fused.append(name)
         report.method = "module patching"

@@ -1,0 +1,278 @@
+"""Resumable training checkpoints over ``torch.distributed.checkpoint`` (DCP).
+
+One checkpoint is a folder ``step_00001000/`` written by every rank at once (each writes its own
+shards; DCP records the global layout in ``.metadata``). It holds:
+
+    model, optim   ``get_state_dict(model, optimizer)``: keys as in the unwrapped model (no
+                   ``module.``/``_orig_mod.``/checkpoint-wrapper prefixes), FSDP shards as DTensors
+    scheduler      the LR scheduler's ``state_dict()``
+    train_state    step, world size and what the caller adds (the data position): JSON
+    rng_rank<r>    each rank's Python/NumPy/torch/CUDA generator states
+
+Because DCP stores global tensor layouts, a checkpoint written by N ranks loads on M ranks with
+any sharding (FSDP, DDP, or one plain process): DCP reshards while reading. RNG states are
+restored only at the same world size (elsewhere there is no rank to give them to).
+
+Crash safety: a checkpoint is written into ``.tmp-step_<n>/`` and renamed to ``step_<n>/`` by
+rank 0 once DCP has finished (its ``.metadata`` is written last, after every rank's data); a
+process killed mid-save leaves only a temporary folder, which ``latest()`` never returns and
+the next save deletes. ``keep`` complete checkpoints are kept, the oldest deleted. Every rank
+must see the same folder (one node, or a shared filesystem across nodes).
+
+``async_save=True`` uses ``dcp.async_save``: the state is copied to host memory, training goes
+on while a background thread writes it (over a separate gloo group), and the rename happens when
+the write completes. ``wait()`` (also called by the next ``save`` and ``close``) waits for it.
+"""
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+logger = logging.getLogger("fuselab.distributed")
+
+PREFIX = "step_"
+TMP = ".tmp-"
+INFO = "info.json"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's generator states: Python, NumPy (if installed), torch CPU, current CUDA device."""
+    state: Dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Save and resume ``model``/``optimizer``/``scheduler``/train state under ``directory``.
+
+        ckpt = Checkpointer("ckpt/run1", keep=3)
+        state = ckpt.load(model, optimizer, scheduler)      # None when there is none yet
+        start = state["step"] if state else 0
+        ...
+        ckpt.save(step, model, optimizer, scheduler, train_state={"tokens_seen": n})
+        ckpt.close()
+
+    Every rank must call ``save``/``load`` (they are collective). Build the optimizer (and
+    scheduler) before ``load``: their states are loaded in place.
+    """
+
+    def __init__(self, directory, *, keep: Optional[int] = 3, async_save: bool = False):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1 (or None: keep all), got {keep}")
+        self.dir = Path(directory)
+        self.keep = keep
+        self.async_save = async_save
+        self._pending: Optional[Tuple[Any, Path, Path, threading.Event]] = None
+        self._group = None
+        if _rank() == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        if async_save and dist.is_initialized():
+            # The background thread's collectives get their own gloo group: no NCCL work from a
+            # second thread racing the training stream (what torchtitan does too).
+            self._group = dist.new_group(backend="gloo")
+        _barrier()
+
+    # -- finding checkpoints ------------------------------------------------------------------
+
+    def checkpoints(self) -> List[Tuple[int, Path]]:
+        """(step, folder) of every complete checkpoint, oldest first."""
+        out = []
+        if not self.dir.is_dir():
+            return out
+        for p in self.dir.iterdir():
+            if p.name.startswith(PREFIX) and p.is_dir() and (p / ".metadata").exists():
+                try:
+                    out.append((int(p.name[len(PREFIX):]), p))
+                except ValueError:
+                    continue
+        return sorted(out)
+
+    def latest(self) -> Optional[Path]:
+        found = self.checkpoints()
+        return found[-1][1] if found else None
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+             scheduler=None, train_state: Optional[Dict[str, Any]] = None) -> Path:
+        """Write a checkpoint of ``step`` (collective); returns its final folder. With
+        ``async_save`` it returns once the state is staged in host memory."""
+        self.wait()
+        final = self.dir / f"{PREFIX}{step:08d}"
+        tmp = self.dir / f"{TMP}{final.name}"
+        if _rank() == 0:
+            for stale in self.dir.glob(f"{TMP}*"):  # left by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+        info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
+        try:
+            json.dumps(info)
+        except TypeError as e:
+            raise TypeError(f"train_state must be JSON-serializable (ints, floats, strings, lists): {e}") from None
+        state: Dict[str, Any] = {"train_state": json.dumps(info), f"rng_rank{_rank()}": pickle.dumps(rng_state())}
+        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+        state["model"] = msd
+        if optimizer is not None:
+            state["optim"] = osd
+        if scheduler is not None:
+            state["scheduler"] = pickle.dumps(scheduler.state_dict())
+        t0 = time.perf_counter()
+        if self.async_save:
+            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            future = getattr(response, "upload_completion", response)  # newer torch: AsyncSaveResponse
+            done = threading.Event()
+
+            def commit(fut):
+                try:
+                    if fut.exception() is None and _rank() == 0:
+                        self._commit(tmp, final, info)
+                        logger.info("checkpoint %s written (async, %.1f s)", final, time.perf_counter() - t0)
+                except Exception:  # noqa: BLE001  reported by wait()
+                    logger.exception("committing checkpoint %s failed", final)
+                finally:
+                    done.set()
+
+            future.add_done_callback(commit)
+            self._pending = (future, tmp, final, done)
+            logger.info("checkpoint of step %d staged in %.1f s; writing in the background", step,
+                        time.perf_counter() - t0)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            if _rank() == 0:
+                self._commit(tmp, final, info)
+            _barrier()
+            logger.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
+        return final
+
+    def _commit(self, tmp: Path, final: Path, info: Dict[str, Any]) -> None:
+        """Rank 0, after DCP finished: publish ``tmp`` as ``final`` (atomic rename), prune old ones."""
+        (tmp / INFO).write_text(json.dumps(info, indent=1))
+        old = None
+        if final.exists():  # the same step saved again: move the old one aside first
+            old = final.with_name(f"{TMP}old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if self.keep is not None:
+            for _, path in self.checkpoints()[:-self.keep]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous save is written and published (re-raises its error)."""
+        if self._pending is None:
+            return
+        future, _, final, done = self._pending
+        self._pending = None
+        future.result()
+        done.wait()
+        _barrier()
+
+    def close(self) -> None:
+        self.wait()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None,
+             path=None) -> Optional[Dict[str, Any]]:
+        """Load the latest (or ``path``'s) checkpoint into ``model``/``optimizer``/``scheduler``
+        in place, restore RNG states (same world size only), and return its train state (``step``,
+        ``world_size`` and what ``save`` was given); None when there is no checkpoint."""
+        self.wait()
+        path = Path(path) if path is not None else self.latest()
+        if path is None:
+            logger.info("no checkpoint in %s: starting from scratch", self.dir)
+            return None
+        if not (path / ".metadata").exists():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+        state: Dict[str, Any] = {"model": msd, "train_state": ""}
+        if optimizer is not None:
+            if any(k.startswith("optim.") for k in saved):
+                state["optim"] = osd
+            else:
+                logger.warning("%s holds no optimizer state: the optimizer starts fresh", path)
+        if scheduler is not None:
+            if "scheduler" in saved:
+                state["scheduler"] = b""
+            else:
+                logger.warning("%s holds no LR scheduler state", path)
+        rng_key = f"rng_rank{_rank()}"
+        saved_world = sum(k.startswith("rng_rank") for k in saved)  # one per rank that saved
+        if saved_world == _world():
+            state[rng_key] = b""
+        dcp.load(state, checkpoint_id=str(path))
+        info = json.loads(state["train_state"])
+        set_state_dict(model, optimizer if "optim" in state else [], model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+        if "scheduler" in state:
+            scheduler.load_state_dict(pickle.loads(state["scheduler"]))
+        if rng_key in state:
+            set_rng_state(pickle.loads(state[rng_key]))
+        else:
+            logger.warning("checkpoint written by %s rank(s), resumed on %d: model, optimizer and data position "
+                           "restored (resharded), random generator states not", info.get("world_size"), _world())
+        logger.info("resumed from %s (step %d) in %.1f s", path, info["step"], time.perf_counter() - t0)
+        return info

@@ -1,0 +1,324 @@
+"""fuselab.distributed on the CPU: 2 gloo ranks under torchrun (tests/distributed_worker.py).
+
+Process launches are few and shared (each costs seconds of imports): one ``train`` launch makes
+every DDP/FSDP/compile/fused-layer/DTensor/checkpoint measurement, two more resume its checkpoint
+on 2 ranks and on 1 plain process, two that fail on purpose run side by side, and the experiment
+scripts run once each under torchrun (train_fsdp's resume on one rank runs in this process).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fuselab.distributed as fd
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+TOL = 1e-5  # fp32 parity with one process
+
+
+def launch(args, nproc=2, timeout=180, env_extra=None, module=False, background=False):
+    """Run ``args`` under torchrun with ``nproc`` ranks (``nproc=None``: one plain process);
+    ``background``: return the running Popen (``finish`` it)."""
+    env = fd.launch_environment()
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+               **(env_extra or {}))
+    target = ["-m", *args] if module else [str(WORKER), *args]
+    if nproc is None:
+        cmd = [sys.executable, *target]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.started = time.perf_counter()
+    return proc if background else finish(proc, timeout)
+
+
+def finish(proc, timeout):
+    try:
+        proc.stdout, proc.stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.stdout, proc.stderr = proc.communicate()
+        proc.stderr += f"\n[test: killed after {timeout} s]"
+    proc.seconds = time.perf_counter() - proc.started
+    return proc
+
+
+def output(proc) -> str:
+    return f"exit {proc.returncode} after {proc.seconds:.1f} s\n--- stdout\n{proc.stdout[-4000:]}\n" \
+           f"--- stderr\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("distributed")
+
+
+@pytest.fixture(scope="module")
+def trained(run_dir):
+    """The ``train`` scenario: it ends by killing rank 1 in a checkpoint save, so it exits non-zero."""
+    proc = launch(["train", str(run_dir)])
+    path = run_dir / "train.json"
+    assert path.exists(), output(proc)
+    return json.loads(path.read_text()), proc
+
+
+@pytest.fixture(scope="module")
+def resumed(run_dir, trained):
+    out = {}
+    for nproc, ranks in ((2, 2), (None, 1)):
+        proc = launch(["resume", str(run_dir)], nproc=nproc)
+        path = run_dir / f"resume_{ranks}.json"
+        assert proc.returncode == 0 and path.exists(), output(proc)
+        out[ranks] = json.loads(path.read_text())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP and FSDP2 parity
+
+
+def test_ddp_gradients_identical_and_equal_to_one_process(trained):
+    ddp = trained[0]["ddp"]
+    assert ddp["wrapped"] == "DistributedDataParallel"
+    assert ddp["grads_identical_across_ranks"]
+    assert ddp["grad_max_diff_vs_single"] < 1e-6
+    assert ddp["param_max_diff_vs_single"] < 1e-6
+
+
+def test_fsdp_matches_one_process(trained):
+    fsdp = trained[0]["fsdp"]
+    assert fsdp["block_types"] == ["GPT2Block"]
+    assert len(fsdp["losses"]) == 4
+    for got, want in zip(fsdp["losses"], fsdp["ref_losses"]):
+        assert abs(got - want) < TOL
+    assert fsdp["param_max_diff"] < TOL
+
+
+def test_fsdp_rank_holds_half_of_each_parameter(trained):
+    for s in trained[0]["fsdp"]["shards"]:
+        assert s["sum_over_ranks"] == s["global"], s
+        rows_per_rank = -(-s["dim0"] // 2)
+        assert s["local"] <= rows_per_rank * (s["global"] // s["dim0"]), s
+        assert abs(s["local"] / s["global"] - 0.5) <= 0.5 / s["dim0"] + 1e-9, s
+
+
+def test_fsdp_composes_with_compile_activation_checkpointing_and_bf16(trained):
+    wrapped = trained[0]["wrapped"]
+    assert wrapped["compile+ac block"] == "FSDPOptimizedModule"  # compiled block, sharded
+    assert wrapped["compile+ac"] == pytest.approx(wrapped["ref"], abs=TOL)
+    # bf16 parameters in the forward, fp32 master weights and reductions: close, not equal
+    assert wrapped["bf16"] == pytest.approx(wrapped["ref"], rel=1e-3)
+    assert wrapped["bf16"] != wrapped["ref"]
+    # checkpoint keys are the plain model's (no _orig_mod. / _checkpoint_wrapped_module.)
+    assert wrapped["state_dict keys"] == ["transformer.h.0.ln_1.bias", "transformer.h.0.ln_1.weight"]
+
+
+def test_fused_layers_before_and_after_sharding(trained):
+    fused = trained[0]["fused"]
+    reference = fused["unfused"]["losses"]
+    before = fused["fuse_before_shard"]
+    assert "error" not in before, before
+    assert before["fc"] == "FusedConv1DReLU"
+    assert max(abs(a - b) for a, b in zip(before["losses"], reference)) < TOL
+    after = fused["fuse_after_shard"]
+    assert "error" not in after, after
+    # Never a different result: whatever fuse_linear_relu did to a sharded model, training is unchanged
+    assert max(abs(a - b) for a, b in zip(after["losses"], reference)) < TOL
+    assert after["fusion"]["fused"], after["fusion"]["report"]  # converted in place: FSDP still gathers into it
+    assert after["fc"] == "FusedConv1DReLU"
+
+
+def test_dtensor_reaching_fuselab_op_errors_or_is_right(trained):
+    cases = trained[0]["dtensor"]
+    assert cases["FSDP-sharded fused layer, through FSDP"]["max_abs_err"] < 1e-5  # FSDP all-gathers first
+    for name, outcome in cases.items():
+        if "error" in outcome:  # an error that names the op and DTensor's reason
+            assert "fuselab.matmul_relu" in outcome["error"] and (
+                "sharding strategy" in outcome["error"] or "DTensor" in outcome["error"]), (name, outcome)
+        else:  # never a wrong result
+            assert outcome["max_abs_err"] < 1e-5, (name, outcome)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def test_keep_last_n_and_killed_save(trained, run_dir):
+    data, proc = trained
+    assert data["checkpoints"] == ["step_00000002", "step_00000003"]  # keep=2 of steps 1, 2, 3 (3 async)
+    assert proc.returncode != 0, "the save that rank 1 is killed in should fail the job"
+    assert "killed in the middle of a checkpoint save" in proc.stderr
+    names = sorted(p.name for p in (run_dir / "ckpt").iterdir())
+    assert "step_00000006" not in names and ".tmp-step_00000006" in names, names
+    assert fd.Checkpointer(run_dir / "ckpt").latest().name == "step_00000003"  # the partial save is not
+
+
+def test_resume_on_two_ranks_continues_the_same_run(trained, resumed):
+    data, got = trained[0], resumed[2]
+    assert got["resumed_step"] == 3 and got["saved_world_size"] == 2  # the killed step-6 save is ignored
+    assert got["model_type"].startswith("FSDP")
+    assert got["losses"] == pytest.approx(data["losses"][3:], abs=TOL)
+    assert got["lr_after"] == pytest.approx(data["lr_after"])
+    # per-rank generator states restored: the next draws equal the uninterrupted run's
+    assert got["rand_after_checkpoint"] == data["rand_after_checkpoint"]
+    assert data["rand_after_checkpoint"][0] != data["rand_after_checkpoint"][1]
+
+
+def test_resume_on_one_process_reshards(trained, resumed):
+    data, got = trained[0], resumed[1]
+    assert got["resumed_step"] == 3 and got["world_size"] == 1
+    assert got["model_type"] == "GPT2LMHeadModel"  # DTensor shards read into a plain model
+    assert got["losses"] == pytest.approx(data["losses"][3:], abs=TOL)
+    assert got["lr_after"] == pytest.approx(data["lr_after"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Failures end the job
+
+
+def test_failing_or_hung_rank_ends_the_job(run_dir):
+    # Both launches at once (they mostly wait): rank 1 raises / rank 1 hangs outside any collective
+    timeout_s = 5
+    procs = {scenario: launch([scenario, str(run_dir)], env_extra={"FUSELAB_TEST_TIMEOUT": str(timeout_s)},
+                              background=True) for scenario in ("fail", "hang")}
+    for scenario, proc in procs.items():
+        proc = finish(proc, timeout=120)
+        assert proc.returncode != 0, output(proc)
+        # startup (imports, rendezvous) + the collective timeout + torchrun's teardown
+        assert proc.seconds < 60, output(proc)
+        if scenario == "fail":
+            assert "injected failure on rank 1" in proc.stderr, output(proc)
+        else:
+            assert "rank 0 failed" in proc.stderr and "imed out" in proc.stderr, output(proc)
+
+
+# ----------------------------------------------------------------------------------------------
+# The experiment scripts, end to end
+
+
+def _needs(path: Path, what: str):
+    if not path.exists():
+        pytest.skip(f"{what} not installed at {path} (make data)")
+
+
+def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capfd):
+    from experiments import data
+
+    _needs(data.PYTHON_DOCS, "the python3.11-doc corpus")
+    _needs(data.WHISPER_SDIST, "whisper's sdist (GPT-2 BPE)")
+    common = ["experiments.train_fsdp", "--tiny", "--device", "cpu", "--global-batch", "4", "--log-every", "2",
+              "--timing-skip", "1", "--val-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--activation", "relu", "--timeout", "300"]
+    first = launch(common + ["--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "a.json")],
+                   module=True, timeout=300)
+    assert first.returncode == 0, output(first)
+    rows = json.loads((tmp_path / "a.json").read_text())["rows"]
+    assert {r["provider"] for r in rows} == {"fsdp+fused-relu"}
+    assert {r["metric"] for r in rows} >= {"tokens/s", "TFLOP/s per GPU", "loss", "val loss"}
+    # resume in this process: a plain process (no torchrun), world size 1, unsharded
+    from experiments import train_fsdp
+
+    rows = train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--out", str(tmp_path / "b.json")])
+    assert "resumed from" in capfd.readouterr().err
+    assert rows == json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["step"] for r in rows if r["metric"] == "loss"] == [6]
+    assert {r["provider"] for r in rows} == {"single+fused-relu"}
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004",
+                                                                     "step_00000006"]
+
+
+def test_train_ddp_script(tmp_path):
+    from experiments import data
+
+    _needs(data.FASHION_MNIST / "train-images-idx3-ubyte.gz", "Fashion-MNIST")
+    proc = launch(["experiments.train_ddp", "--tiny", "--device", "cpu", "--steps", "6", "--checkpoint-dir",
+                   str(tmp_path / "ckpt"), "--out", str(tmp_path / "r.json"), "--timeout", "300"], module=True,
+                  timeout=300)
+    assert proc.returncode == 0, output(proc)
+    assert "lr 0.2 (= 0.1 x 2)" in proc.stderr  # scaled by the world size
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    metrics = {r["metric"] for r in rows}
+    assert {"images/s", "test accuracy", "final test accuracy"} <= metrics
+    assert all(r["shape"] == "2x32" for r in rows)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_00000006"]
+
+
+# ----------------------------------------------------------------------------------------------
+# In this process (no launch)
+
+
+def _tiny_hf(kind):
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32,
+                                                                    n_positions=8))
+    if kind == "opt":
+        return transformers.OPTForCausalLM(transformers.OPTConfig(hidden_size=16, ffn_dim=32, num_hidden_layers=2,
+                                                                  num_attention_heads=2, vocab_size=32,
+                                                                  word_embed_proj_dim=16,
+                                                                  max_position_embeddings=16))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=16, intermediate_size=32,
+                                                                  num_hidden_layers=2, num_attention_heads=2,
+                                                                  num_key_value_heads=2, vocab_size=32))
+
+
+@pytest.mark.parametrize("kind,block", [("gpt2", "GPT2Block"), ("opt", "OPTDecoderLayer"),
+                                        ("llama", "LlamaDecoderLayer")])
+def test_find_blocks_transformers(kind, block):
+    blocks = fd.find_blocks(_tiny_hf(kind))
+    assert len(blocks) == 2 and {type(m).__name__ for _, m in blocks} == {block}
+
+
+def test_find_blocks_resnet_stages_and_fallbacks():
+    torchvision = pytest.importorskip("torchvision")
+    names = [n for n, _ in fd.find_blocks(torchvision.models.resnet18())]
+    assert names == ["layer1", "layer2", "layer3", "layer4"]
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    assert [n for n, _ in fd.find_blocks(mlp)] == ["0", "1", "2"]
+    assert [n for n, _ in fd.find_blocks(mlp, block_types=["Linear"])] == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="block_types"):
+        fd.find_blocks(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="no module of type"):
+        fd.find_blocks(mlp, block_types=[torch.nn.Conv2d])
+
+
+def test_launch_environment_turns_nvlink_multicast_off():
+    env = fd.launch_environment({"PATH": "/bin", "NCCL_NVLS_ENABLE": "1"})
+    assert env["NCCL_NVLS_ENABLE"] == "1"  # an explicit choice is kept
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert fd.launch_environment({})["NCCL_NVLS_ENABLE"] == "0"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--n-embd", "100", "--n-head", "16"], "not divisible"),
+    (["--resume"], "needs --checkpoint-dir"),
+    (["--steps", "0"], "must be >= 1"),
+    (["--val-fraction", "1.5"], "must be in"),
+])
+def test_train_fsdp_rejects_bad_arguments(argv, message, capsys):
+    from experiments import train_fsdp
+
+    with pytest.raises(SystemExit):
+        train_fsdp.parse_args(argv + ["--device", "cpu"])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch", "-3"], "must be >= 1"),
+    (["--resume"], "needs --checkpoint-dir"),
+    (["--arch", "vgg"], "invalid choice"),
+])
+def test_train_ddp_rejects_bad_arguments(argv, message, capsys):
+    from experiments import train_ddp
+
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(argv + ["--device", "cpu"])
+    assert message in capsys.readouterr().err

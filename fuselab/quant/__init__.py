@@ -1,1 +1,31 @@
-"""fuselab.quant"""
+"""fuselab.quant: quantized Linear layers on fuselab's INT8 and FP8 GEMMs, calibration, distillation.
+
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig())   # in place; print(report)
+
+The GEMMs are ``torch.ops.fuselab.int8_matmul_epilogue`` and ``torch.ops.fuselab.fp8_matmul_epilogue``
+(``int8_matmul``/``fp8_matmul``); conv nets on x86 CPUs take torchao's pt2e route (``quantize_pt2e_x86``).
+"""
+from fuselab.quant.config import (
+           Float8RowwiseConfig,
+           Int8DynamicActivationInt8WeightConfig,
+           Int8StaticActivationInt8WeightConfig,
+)
+from fuselab.quant.distill import DistillationLoss
+from fuselab.quant.fp8_gemm import fp8_matmul, quantize_fp8_rowwise
+from fuselab.quant.int8_gemm import int8_matmul, quantize_int8_rowwise, quantize_int8_static
+from fuselab.quant.modules import Float8Linear, Int8Linear
+from fuselab.quant.pt2e import quantize_pt2e_x86
+from fuselab.quant.quantize import (
+           Calibration,
+           QuantizationReport,
+           calibrate,
+           quantize_,
+           register_quantize_module_handler,
+           relative_error,
+)
+
+__all__ = ["Calibration", "DistillationLoss", "Float8Linear", "Float8RowwiseConfig",
+           "Int8DynamicActivationInt8WeightConfig", "Int8Linear", "Int8StaticActivationInt8WeightConfig",
+           "QuantizationReport", "calibrate", "fp8_matmul", "int8_matmul", "quantize_", "quantize_fp8_rowwise",
+           "quantize_int8_rowwise", "quantize_int8_static", "quantize_pt2e_x86", "register_quantize_module_handler",
+           "relative_error"]

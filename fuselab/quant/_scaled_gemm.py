@@ -1,0 +1,294 @@
+"""The GEMM both quantized formats share: 8-bit operands, a wide accumulator, one fused epilogue.
+
+    Y = cast(relu?(fp32(A @ B) * a_scale[:, None] * b_scale[None, :] + bias))
+
+A (M, K) and B (K, N) are both int8 (accumulated exactly in int32) or both fp8 e4m3 (accumulated in
+fp32); the scales, bias, ReLU and the cast to the output dtype run on the accumulator tile while it is
+still in registers. Without scales the raw accumulators are stored (int32 or fp32), as
+``torch._int_mm`` returns them. ``int8_gemm.py`` and ``fp8_gemm.py`` register the two ops and hold
+their PyTorch paths; this module holds what they share: the configs, the kernel, the launcher, the
+input checks and the epilogue as PyTorch computes it.
+"""
+import math
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._autotune import autotune, bucket
+from fuselab.kernels._runtime import (
+    INTERPRET,
+    SUPPORTED_DTYPES,
+    ExecutionPath,
+    check_same_device,
+    execution_path,
+    launch,
+    launch_planned,
+    max_shared_memory,
+    untraced,
+)
+from fuselab.kernels.matmul_relu import _needs_int64, _tile_coords
+
+# ----------------------------------------------------------------------------------------------
+# Autotune configs
+# ----------------------------------------------------------------------------------------------
+
+
+def _config(bm, bn, bk, stages, warps, group_m=8):
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+def gemm_configs():
+    """Configs timed by the autotuner; pruned per problem by ``_prune_configs``."""
+    if INTERPRET:  # timings mean nothing there: two small tiles exercise the tuner cheaply
+        return [_config(32, 32, 32, 1, 4, group_m=2), _config(16, 32, 64, 1, 4, group_m=2)]
+    # Hopper first: 8-bit operands take BLOCK_K=128 (128-byte rows, the widest shared-memory swizzle),
+    # and 128x256 tiles want two warpgroups.
+    return [_config(*c) for c in [
+        (128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8), (128, 128, 128, 4, 4),
+        (64, 256, 128, 4, 4), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 256, 64, 4, 8),
+        (64, 64, 256, 4, 4), (32, 64, 256, 4, 4), (16, 64, 256, 4, 4)]]  # few rows (decode): deeper K
+
+
+# Used when FUSELAB_AUTOTUNE=0: a tile that is good on Hopper for large 8-bit problems.
+HEURISTIC_CONFIG = _config(128, 128, 128, 4, 8)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop configs that overflow shared memory or use tiles far larger than the problem."""
+    args = {**named_args, **kwargs}
+    es = args["a_ptr"].element_size()
+    smem = max_shared_memory()
+    m, n, k = args["M_BUCKET"], args["N_BUCKET"], args["K_BUCKET"]
+    kept = []
+    for c in configs:
+        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        if c.num_stages * (bm * bk + bk * bn) * es > smem:
+            continue
+        if (bm > 64 and m <= 32) or (bn > 64 and n <= 32) or (bk > 64 and k <= 32):
+            continue
+        kept.append(c)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@autotune(configs=gemm_configs(), prune=_prune_configs, heuristic=HEURISTIC_CONFIG,
+          key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALED", "HAS_BIAS"])
+@triton.jit
+def scaled_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_a_scale, stride_b_scale, stride_bias,
+    M_BUCKET, N_BUCKET, K_BUCKET, A_ROW_MAJOR, B_ROW_MAJOR,  # autotune keys only
+    INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C = epilogue(A @ B); see the module docstring."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    if INT64:  # offsets past 2**31 elements
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    # Rows/columns past the edge re-read valid ones (no load mask); the store drops them.
+    rm = offs_m % M
+    rn = offs_n % N
+    a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
+    if INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if INT8:
+            acc = tl.dot(a, b, acc)  # exact: the checks keep K below int32 overflow
+        else:
+            # Added in fp32 once per K tile: Hopper's fp8 MMA keeps fewer bits while it accumulates
+            # (Triton folds this add into the dot only where it accumulates exactly).
+            acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if SCALED:
+        out = _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, stride_b_scale,
+                        stride_bias, HAS_BIAS, RELU)
+    else:
+        out = acc
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, stride_b_scale, stride_bias,
+              HAS_BIAS: tl.constexpr, RELU: tl.constexpr):
+    # In the order torch_epilogue computes it: ((acc * a_scale) * b_scale) + bias, all fp32.
+    a_scale = tl.load(a_scale_ptr + rm * stride_a_scale)  # rm, rn: in-range indices, no mask needed
+    b_scale = tl.load(b_scale_ptr + rn * stride_b_scale)
+    out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    if HAS_BIAS:  # any stride, 0 too (an expanded scalar)
+        out = out + tl.load(bias_ptr + rn * stride_bias).to(tl.float32)[None, :]
+    if RELU:
+        out = tl.where(out < 0, 0.0, out)  # not maximum(): NaN must propagate, as in torch.relu
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _plan_key(tensors, relu) -> tuple:
+    """Everything a launch of ``scaled_gemm`` specializes on but the data: see ``launch_planned``."""
+    def layout(t):
+        return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+
+    return ("scaled_gemm", tensors[0].get_device(), relu, *(layout(t) for t in tensors))
+
+
+def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Optional[torch.Tensor],
+                b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], relu: bool, *,
+                config: Optional[triton.Config] = None) -> None:
+    """Write ``c`` (M, N) = the epilogue of ``a`` (M, K) @ ``b`` (K, N), all 2-D with any strides;
+    scales and bias 1-D with any stride (0 too). Inputs as ``check_inputs`` accepts them.
+    ``config`` bypasses the autotuner (tests and benchmarks of single configs)."""
+    M, K = a.shape
+    N = b.shape[1]
+    if M == 0 or N == 0:
+        return
+    tensors = (a, b, c, a_scale, b_scale, bias)
+    present = [t for t in tensors if t is not None]
+    plan_key = None
+    if config is None and not INTERPRET and untraced(*present):  # a repeated eager call skips the rest
+        plan_key = _plan_key(tensors, relu)
+        if launch_planned(plan_key, *present):
+            return
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    kernel, meta = scaled_gemm_kernel, {}
+    if config is not None:
+        kernel, meta = scaled_gemm_kernel.fn, config.all_kwargs()
+    scale_strides = (a_scale.stride(0), b_scale.stride(0)) if a_scale is not None else (0, 0)
+    launch(kernel, grid, a, b, c, a_scale, b_scale, bias, M, N, K,
+           a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+           *scale_strides, bias.stride(0) if bias is not None else 0,
+           bucket(M), bucket(N), bucket(K), int(a.stride(1) == 1), int(b.stride(1) == 1),
+           INT8=a.dtype == torch.int8, SCALED=a_scale is not None, HAS_BIAS=bias is not None, RELU=relu,
+           INT64=_needs_int64(a, b, c, a_scale, b_scale, bias), plan_key=plan_key, **meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# What both ops share around the kernel: input checks, the epilogue in PyTorch
+# ----------------------------------------------------------------------------------------------
+
+
+def check_inputs(op: str, operand_dtype: torch.dtype, accumulator_dtype: torch.dtype, a: torch.Tensor,
+                 b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype,
+                 max_k: Optional[int] = None) -> None:
+    """Raise ValueError/TypeError naming what is wrong with the arguments of ``op``."""
+    check_same_device(a=a, b=b, a_scale=a_scale, b_scale=b_scale, bias=bias)
+    if a.dtype != operand_dtype or b.dtype != operand_dtype:
+        raise TypeError(f"{op}: a and b must both be {operand_dtype} (quantize them first), "
+                        f"got a {a.dtype} and b {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{op}: a (M, K) and b (K, N) must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    (M, K), N = a.shape, b.shape[1]
+    if b.shape[0] != K:
+        raise ValueError(f"{op}: K mismatch: a has shape {tuple(a.shape)} (K={K}) "
+                         f"but b has shape {tuple(b.shape)} (K={b.shape[0]})")
+    if max_k is not None and K > max_k:
+        raise ValueError(f"{op}: K={K} is above {max_k}: the {accumulator_dtype} accumulators could overflow")
+    if (a_scale is None) != (b_scale is None):
+        raise ValueError(f"{op}: give both a_scale and b_scale, or neither (the raw accumulators)")
+    if a_scale is None:
+        if bias is not None or relu:
+            raise ValueError(f"{op}: bias and relu need a_scale and b_scale (they act on the scaled result)")
+        if out_dtype != accumulator_dtype:
+            raise TypeError(f"{op}: without scales the output is the raw {accumulator_dtype} accumulators, "
+                            f"got out_dtype={out_dtype}")
+        return
+    for name, scale, n in (("a_scale", a_scale, M), ("b_scale", b_scale, N)):
+        if scale.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must be float32, got {scale.dtype}")
+        if scale.dim() != 1 or scale.shape[0] != n:
+            raise ValueError(f"{op}: {name} must have shape ({n},), one scale per "
+                             f"{'row of a' if name == 'a_scale' else 'column of b'}, got {tuple(scale.shape)}")
+    if bias is not None:
+        if bias.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{op}: bias must be float32, float16 or bfloat16, got {bias.dtype}")
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"{op}: bias must have shape (N,) = ({N},), got {tuple(bias.shape)}")
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be float32, float16 or bfloat16 with scales, got {out_dtype}")
+
+
+def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's epilogue by PyTorch's ops, in the kernel's order of fp32 operations."""
+    if a_scale is None:
+        return acc
+    out = acc.to(torch.float32) * a_scale[:, None] * b_scale[None, :]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    if relu:
+        out = torch.relu(out)
+    return out.to(out_dtype)
+
+
+def _as_vector(scale: Optional[torch.Tensor], n: int, what: str) -> Optional[torch.Tensor]:
+    """A scale given per row of (..., K) operands, or one for all of them, as the ops' (n,)."""
+    if scale is None:
+        return None
+    if scale.numel() == 1:
+        return scale.reshape(1).expand(n)  # stride 0: one scale read by every row, no copy
+    if scale.numel() != n:
+        raise ValueError(f"{what} must hold one scale per {'row of a' if what == 'a_scale' else 'column of b'} "
+                         f"({n}) or a single scale, got shape {tuple(scale.shape)}")
+    return scale.reshape(n)
+
+
+def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tensor, b: torch.Tensor,
+         a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+         relu: bool, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """The public functions' body: (..., K) rows flattened, scales as vectors, then the backend:
+    "auto" the op (its eager body without the dispatcher when nothing traces the call), "triton"
+    the kernel, "torch" the op's PyTorch body."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if a.dim() < 1 or b.dim() != 2:
+        raise ValueError(f"a must have shape (..., K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
+    a2 = a if a.dim() == 2 else a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: K may be 0
+    a_scale, b_scale = _as_vector(a_scale, a2.shape[0], "a_scale"), _as_vector(b_scale, b.shape[1], "b_scale")
+    args = (a2, b, a_scale, b_scale, bias, relu, out_dtype)
+    runs_triton = execution_path(a) is ExecutionPath.TRITON
+    if backend == "triton" and not runs_triton:
+        raise ValueError(f"backend='triton' runs on CUDA tensors (or any under TRITON_INTERPRET=1), "
+                         f"got {a.device.type} tensors: use backend='auto' or 'torch'")
+    if backend == "torch":
+        out = torch_forward(*args)
+    elif backend == "triton" or (runs_triton and untraced(*args[:5])):
+        check_for_triton(*args)
+        out = a2.new_empty((a2.shape[0], b.shape[1]), dtype=out_dtype)
+        scaled_gemm(a2, b, out, a_scale, b_scale, bias, relu)
+    else:
+        out = op(*args)
+    return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])

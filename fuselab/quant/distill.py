@@ -1,0 +1,67 @@
+"""Knowledge distillation's loss (Hinton et al., 2015): soft teacher targets plus the hard labels.
+
+    loss = alpha * T^2 * KL(softmax(t / T) || softmax(s / T)) + (1 - alpha) * CE(s, y)
+
+KL summed over classes, both terms averaged over the batch. The T^2 factor keeps the soft term's
+gradient on the scale of the hard term's as T changes (the soft gradients shrink as 1/T^2).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DistillationLoss(nn.Module):
+    """``forward(student_logits, teacher_logits, target)``: the loss above, a scalar.
+
+    ``student_logits`` and ``teacher_logits`` are (N, C) floating tensors of one shape, ``target``
+    (N,) class indices in [0, C). The math runs in fp32 (float64 inputs stay float64), with
+    autocast off, whatever the logits' dtype. Gradients flow to both logits; compute the teacher's
+    under ``torch.no_grad()`` to train the student alone.
+
+    Args:
+        temperature: T > 0 (finite); T = 1 is plain softmax matching.
+        alpha: weight of the soft term, in [0, 1]; 0 is plain cross-entropy.
+    """
+
+    def __init__(self, temperature: float = 4.0, alpha: float = 0.9):
+        super().__init__()
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+        if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+            raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+        self.temperature, self.alpha = float(temperature), float(alpha)
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}, alpha={self.alpha}"
+
+    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                target: torch.Tensor) -> torch.Tensor:
+        _check(student_logits, teacher_logits, target)
+        T = self.temperature
+        with torch.autocast(student_logits.device.type, enabled=False):
+            s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
+            log_p_s = F.log_softmax(s / T, dim=-1)
+            log_p_t = F.log_softmax(t / T, dim=-1)
+            # KL(p_t || p_s) = sum p_t (log p_t - log p_s); "batchmean": summed over classes, mean over rows
+            soft = F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (T * T)
+            hard = F.cross_entropy(s, target)
+            return self.alpha * soft + (1.0 - self.alpha) * hard
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.to(torch.float32)
+
+
+def _check(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
+    if student.dim() != 2 or student.shape != teacher.shape:
+        raise ValueError(f"student and teacher logits must both be (N, C) of one shape, got "
+                         f"{tuple(student.shape)} and {tuple(teacher.shape)}")
+    if not (student.is_floating_point() and teacher.is_floating_point()):
+        raise TypeError(f"logits must be floating point, got {student.dtype} and {teacher.dtype}")
+    if target.shape != student.shape[:1] or target.dtype != torch.int64:
+        raise ValueError(f"target must be (N,) = ({student.shape[0]},) int64 class indices, got "
+                         f"{tuple(target.shape)} {target.dtype}")
+    if student.shape[0] == 0:
+        raise ValueError("the batch is empty: a batch mean of no rows is undefined")

@@ -1,0 +1,115 @@
+"""FP8 (e4m3) GEMM with a fused epilogue, ``torch.ops.fuselab.fp8_matmul_epilogue``:
+
+    Y = cast(relu?((A @ B) * a_scale[:, None] * b_scale[None, :] + bias))
+
+A (M, K) and B (K, N) are ``float8_e4m3fn`` with rowwise scales (one per row of A, one per column of
+B); every product of two e4m3 values is exact in fp32, and the sums accumulate in fp32 (the kernel
+adds each K tile's partial product into an fp32 accumulator: Hopper's fp8 MMA keeps fewer bits
+inside one instruction chain). The epilogue is the INT8 op's (``_scaled_gemm``).
+
+Where it runs: fuselab's Triton kernel on CUDA GPUs with fp8 tensor cores (compute capability 8.9 or
+newer: Ada, Hopper; elsewhere on CUDA the op raises) and in the interpreter; on a CPU, PyTorch's fp32
+GEMM of the upcast operands (exact products, fp32 sums: the same math in another summation order)
+and the same epilogue, so an fp8 model can be checked without a GPU.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from fuselab.kernels._runtime import ExecutionPath, execution_path, register_op
+from fuselab.quant._scaled_gemm import call, check_inputs, scaled_gemm, torch_epilogue
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+MIN_CAPABILITY = (8, 9)  # fp8 tensor cores (Ada, Hopper)
+_TINY = torch.finfo(torch.float32).tiny
+
+# ----------------------------------------------------------------------------------------------
+# Quantization of the operands
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_fp8_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``x`` (..., K) as float8_e4m3fn with one fp32 scale per row, shaped
+    x.shape[:-1]; ``x ~ q * scale[..., None]``, ``scale = absmax(row) / 448`` (e4m3's largest value).
+    Not differentiable."""
+    x = x.detach()
+    scale = x.abs().amax(dim=-1).to(torch.float32).clamp(min=_TINY) / FP8_MAX
+    # Clamped first: a quotient that rounds past 448 would become NaN (e4m3fn has no infinity).
+    q = (x.to(torch.float32) / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+# ----------------------------------------------------------------------------------------------
+# The op: registration and its two bodies
+# ----------------------------------------------------------------------------------------------
+
+OP = "fp8_matmul_epilogue"
+
+
+def _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype) -> None:
+    check_inputs(OP, FP8_DTYPE, torch.float32, a, b, a_scale, b_scale, bias, relu, out_dtype)
+
+
+def check_fp8_device(device: torch.device) -> Optional[str]:
+    """Why the fp8 kernel cannot run on ``device`` (None: it can)."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return (f"fp8 e4m3 GEMMs need fp8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+                f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}")
+    return None
+
+
+def _check_for_triton(a, b, a_scale, b_scale, bias, relu, out_dtype) -> None:
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
+    why = check_fp8_device(a.device)
+    if why is not None:
+        raise RuntimeError(f"{OP}: {why}")
+
+
+def _fake(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
+          bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _torch_forward(a, b, a_scale, b_scale, bias, relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """The op by PyTorch's kernels: an fp32 GEMM of the upcast operands, then the epilogue. (Exact
+    products under TF32 as well: an e4m3 value has 4 significant bits, TF32 keeps 11.)"""
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
+    return torch_epilogue(a.to(torch.float32) @ b.to(torch.float32), a_scale, b_scale, bias, relu, out_dtype)
+
+
+def _forward(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    if execution_path(a) is not ExecutionPath.TRITON:
+        return _torch_forward(a, b, a_scale, b_scale, bias, relu, out_dtype)
+    _check_for_triton(a, b, a_scale, b_scale, bias, relu, out_dtype)
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+    scaled_gemm(a, b, out, a_scale, b_scale, bias, relu)
+    return out
+
+
+register_op(f"fuselab::{OP}", fake=_fake)(_forward)
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor] = None, relu: bool = False, out_dtype: Optional[torch.dtype] = None,
+               *, backend: str = "auto") -> torch.Tensor:
+    """``cast(relu?((a @ b) * a_scale * b_scale + bias))`` for float8_e4m3fn ``a`` and ``b``, in one kernel.
+
+    Arguments as ``int8_matmul``'s, with fp8 operands; without scales the result is the raw fp32
+    accumulators. ``backend="torch"`` is an fp32 GEMM of the upcast operands and a separate
+    epilogue. Raises RuntimeError on a CUDA GPU without fp8 tensor cores (below sm_89).
+    Inference only: the op has no derivative.
+    """
+    if out_dtype is None:
+        out_dtype = torch.float32
+    return call(torch.ops.fuselab.fp8_matmul_epilogue, _torch_forward, _check_for_triton, a, b, a_scale, b_scale,
+                bias, relu, out_dtype, backend)

@@ -1,0 +1,290 @@
+"""``quantize_(model, config)``: swap Linear layers for quantized ones in place, and say what was done.
+
+torchao's calling convention: a frozen dataclass config (``config.py``) and a handler registered
+per config type (``register_quantize_module_handler``). Exactly ``nn.Linear`` and
+``FusedLinearReLU`` layers are replaced (the latter with its ReLU fused into the quantized GEMM's
+epilogue); other Linear subclasses, and layers whose swap could change what the model computes
+(hooks, parametrizations, unsupported dtypes or devices), are left alone, with the reason in the
+report. Every decision is made before anything changes. ``calibrate`` runs a few batches through
+the float model to record each layer's input range (static activation scales) and a sample of its
+inputs, on which the report measures each quantized layer's error against its float layer.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from fuselab.kernels._runtime import SUPPORTED_DTYPES
+from fuselab.nn.fuse import _why_not_swapped
+from fuselab.nn.linear_relu import FusedLinearReLU
+from fuselab.quant.config import (
+    Float8RowwiseConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8StaticActivationInt8WeightConfig,
+)
+from fuselab.quant.fp8_gemm import check_fp8_device
+from fuselab.quant.int8_gemm import QMAX
+from fuselab.quant.modules import Float8Linear, Int8Linear
+
+# ----------------------------------------------------------------------------------------------
+# Handlers: one per config type
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Handler:
+    convert: Callable[[nn.Linear, bool, str, Any], nn.Module]  # (layer, relu, name, config) -> quantized layer
+    why_not: Callable[[nn.Linear, str, Any], Optional[str]]  # (layer, name, config) -> reason to leave it, or None
+
+
+_HANDLERS: Dict[type, _Handler] = {}
+
+
+def _no_objection(layer, name, config) -> Optional[str]:
+    return None
+
+
+def register_quantize_module_handler(config_type: type, why_not: Callable = _no_objection):
+    """Decorator: ``convert(layer, relu, name, config)`` quantizes Linear layers for ``config_type``;
+    ``why_not(layer, name, config)`` may refuse a layer with a reason (the report shows it)."""
+
+    def decorate(convert):
+        _HANDLERS[config_type] = _Handler(convert, why_not)
+        return convert
+
+    return decorate
+
+
+@register_quantize_module_handler(Int8DynamicActivationInt8WeightConfig)
+def _int8_dynamic(layer, relu, name, config):
+    return Int8Linear.from_float(layer, relu=relu)
+
+
+def _no_static_scale(layer, name, config) -> Optional[str]:
+    if name not in config.act_scales:
+        return "no calibrated activation scale in the config (not called while calibrating?)"
+    return None
+
+
+@register_quantize_module_handler(Int8StaticActivationInt8WeightConfig, why_not=_no_static_scale)
+def _int8_static(layer, relu, name, config):
+    return Int8Linear.from_float(layer, relu=relu, act_scale=config.act_scales[name])
+
+
+def _no_fp8_hardware(layer, name, config) -> Optional[str]:
+    return check_fp8_device(layer.weight.device)
+
+
+@register_quantize_module_handler(Float8RowwiseConfig, why_not=_no_fp8_hardware)
+def _float8_rowwise(layer, relu, name, config):
+    return Float8Linear.from_float(layer, relu=relu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` saw at each Linear layer's input: the largest |value| (``absmax``) and the
+    first inputs, as (rows, in_features) (``samples``), over ``n_batches`` batches."""
+
+    absmax: Mapping[str, float]
+    samples: Mapping[str, torch.Tensor]
+    n_batches: int
+
+    def act_scales(self, qmax: int = QMAX) -> Dict[str, float]:
+        """Symmetric per-tensor scales, ``absmax / qmax`` (int8: 127), for
+        ``Int8StaticActivationInt8WeightConfig``; a layer that only saw zeros gets the smallest
+        positive scale."""
+        tiny = torch.finfo(torch.float32).tiny
+        return {name: max(value / qmax, tiny) for name, value in self.absmax.items()}
+
+
+def _model_input(batch):
+    """A loader's batch as the model's arguments: ``(x, y, ...)`` -> x, a dict -> keyword arguments."""
+    if isinstance(batch, (tuple, list)):
+        return (batch[0],), {}
+    if isinstance(batch, dict):
+        return (), batch
+    return (batch,), {}
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
+
+
+def _progress(iterable: Iterable, total: int, desc: str, enabled: bool) -> Iterable:
+    """``tqdm(iterable)`` when asked for and installed (an optional dependency), else ``iterable``."""
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc)
+
+
+def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows: int = 256,
+              progress: bool = True) -> Calibration:
+    """Run ``n_batches`` batches of ``loader`` through ``model`` (eval mode, no grad; the mode is
+    restored) and record, for every ``nn.Linear`` (by module name), its input's absmax and its first
+    ``sample_rows`` input rows. A batch is a tensor, a ``(x, target, ...)`` tuple or list (x is
+    passed), or a dict of keyword arguments; tensors are moved to the model's device. A progress
+    bar is shown if tqdm is installed and ``progress``. Raises ValueError if ``n_batches < 1`` or the
+    loader runs out first."""
+    if not (isinstance(n_batches, int) and n_batches >= 1):
+        raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
+    absmax: Dict[str, float] = {}
+    samples: Dict[str, List[torch.Tensor]] = {}
+
+    def record(name):
+        def hook(module, args):
+            x = args[0].detach()
+            absmax[name] = max(absmax.get(name, 0.0), x.abs().max().item() if x.numel() else 0.0)
+            have = sum(s.shape[0] for s in samples.get(name, []))
+            if have < sample_rows:
+                samples.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[:sample_rows - have].clone())
+        return hook
+
+    device = next((p.device for p in model.parameters()), None)
+    handles = [m.register_forward_pre_hook(record(name)) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear)]
+    training = {m: m.training for m in model.modules()}
+    seen = 0
+    try:
+        model.eval()
+        batches = iter(loader)
+        with torch.no_grad():
+            for _ in _progress(range(n_batches), n_batches, "calibrating", progress):
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    raise ValueError(f"the loader ran out after {seen} batches; n_batches={n_batches}") from None
+                args, kwargs = _model_input(batch)
+                model(*(_to(a, device) for a in args), **{k: _to(v, device) for k, v in kwargs.items()})
+                seen += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, mode in training.items():
+            m.training = mode
+    return Calibration(absmax=absmax, samples={n: torch.cat(s) for n, s in samples.items()}, n_batches=seen)
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizationReport:
+    """What ``quantize_`` did: layers ``replaced`` (name -> what it became), layers ``skipped`` (name
+    -> why it was left alone) and, with calibration data, each replaced layer's relative error
+    against its float layer on that data, ``||y_q - y|| / ||y||`` over the sample (``errors``)."""
+
+    config: Any
+    replaced: Dict[str, str] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)
+    errors: Dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"quantized {len(self.replaced)} Linear with {type(self.config).__name__}; "
+                 f"left {len(self.skipped)} alone"]
+        for name, what in self.replaced.items():
+            error = f"  relative error {self.errors[name]:.2e}" if name in self.errors else ""
+            lines.append(f"  replaced {name}: {what}{error}")
+        lines += [f"  skipped  {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def relative_error(float_layer: nn.Module, quantized_layer: nn.Module, x: torch.Tensor) -> float:
+    """``||q(x) - f(x)|| / ||f(x)||`` (Frobenius norms, in float64) of two layers on the inputs ``x``."""
+    with torch.no_grad():
+        ref = float_layer(x).to(torch.float64)
+        out = quantized_layer(x).to(torch.float64)
+    norm = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
+
+
+# ----------------------------------------------------------------------------------------------
+# quantize_
+# ----------------------------------------------------------------------------------------------
+
+_REPLACED = (nn.Linear, FusedLinearReLU)  # exactly these types: a subclass's forward may compute something else
+
+
+def _why_not_quantized(layer: nn.Linear) -> Optional[str]:
+    """Why a swap of ``layer`` would not compute what the config specifies (None: it would)."""
+    if type(layer) not in _REPLACED:
+        cls = type(layer)
+        return (f"a {cls.__module__}.{cls.__qualname__}, not exactly nn.Linear or FusedLinearReLU "
+                "(its forward may differ)")
+    why = _why_not_swapped(layer)
+    if why is not None:
+        return why
+    weight = layer.weight
+    if weight.dtype not in SUPPORTED_DTYPES:
+        return f"{weight.dtype}: the quantized layers take float32, float16 and bfloat16 models"
+    if weight.device.type not in ("cpu", "cuda"):
+        return f"on the {weight.device.type} device: the quantized GEMMs run on cpu and cuda"
+    if layer.in_features == 0 or layer.out_features == 0:
+        return "has no input or no output features"
+    return None
+
+
+def _linear_sites(model: nn.Module) -> Dict[int, Tuple[str, nn.Linear, List[Tuple[nn.Module, str]]]]:
+    """Every Linear module under ``model`` (not ``model`` itself): id -> (first name, layer, [(parent, key)])."""
+    sites: Dict[int, Tuple[str, nn.Linear, List[Tuple[nn.Module, str]]]] = {}
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for key, child in parent._modules.items():
+            if isinstance(child, nn.Linear):
+                name = f"{parent_name}.{key}" if parent_name else key
+                sites.setdefault(id(child), (name, child, []))[2].append((parent, key))
+    return sites
+
+
+def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[str, nn.Module], bool]] = None,
+              calibration: Optional[Calibration] = None) -> QuantizationReport:
+    """Replace ``model``'s ``nn.Linear`` and ``FusedLinearReLU`` layers with quantized ones, in place.
+
+    ``config``: an ``Int8DynamicActivationInt8WeightConfig``, ``Int8StaticActivationInt8WeightConfig``
+    or ``Float8RowwiseConfig`` (or a type registered with ``register_quantize_module_handler``).
+    ``filter_fn(name, layer) -> bool`` may veto a layer. With ``calibration`` (from ``calibrate`` on
+    the float model) the report holds each replaced layer's relative error on its sampled inputs.
+    A Linear followed by a separate ReLU keeps the ReLU outside the GEMM: ``fuse_linear_relu`` first
+    makes such pairs FusedLinearReLU, which this fuses into the epilogue. A layer shared by several
+    parents is replaced everywhere by one quantized layer. Returns the report; raises TypeError for
+    an unknown config type, and if ``filter_fn`` raises, nothing is changed.
+    """
+    handler = _HANDLERS.get(type(config))
+    if handler is None:
+        known = ", ".join(sorted(t.__name__ for t in _HANDLERS))
+        raise TypeError(f"no quantize_ handler for {type(config).__name__}; known configs: {known}")
+    report = QuantizationReport(config=config)
+    planned = []
+    for name, layer, parents in _linear_sites(model).values():
+        why = _why_not_quantized(layer) or handler.why_not(layer, name, config)
+        if why is None and filter_fn is not None and not filter_fn(name, layer):
+            why = "vetoed by filter_fn"
+        if why is not None:
+            report.skipped[name] = why
+        else:
+            planned.append((name, layer, parents))
+    if isinstance(model, nn.Linear):
+        report.skipped[""] = "the model itself: quantize_ replaces submodules in place"
+    # Every decision is made: conversions and assignments from here on.
+    for name, layer, parents in planned:
+        relu = type(layer) is FusedLinearReLU
+        quantized = handler.convert(layer, relu, name, config)
+        for parent, key in parents:
+            setattr(parent, key, quantized)
+        report.replaced[name] = f"{type(quantized).__name__}" + (" (ReLU fused into the epilogue)" if relu else "")
+        sample = calibration.samples.get(name) if calibration is not None else None
+        if sample is not None:
+            report.errors[name] = relative_error(layer, quantized, sample.to(layer.weight.device))
+    return report

@@ -1,0 +1,755 @@
+"""fuselab.quant: the INT8/FP8 GEMMs against float64 with derived bounds, the CPU (PyTorch) path against
+the Triton path, registration (opcheck, compile, export to .pt2 and back in a fresh process),
+quantize_ with every config and its report, calibration, state_dict size, DistillationLoss, pt2e.
+
+On a CPU the Triton kernels run in the interpreter (conftest); on a GPU run `pytest -m gpu tests/test_quant.py`.
+"""
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import DEVICES, assert_close, dot_bound
+from torch import nn
+
+from fuselab.kernels._runtime import ExecutionPath
+from fuselab.nn import FusedLinearReLU, fuse_linear_relu
+from fuselab.quant import (
+    DistillationLoss,
+    Float8Linear,
+    Float8RowwiseConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8Linear,
+    Int8StaticActivationInt8WeightConfig,
+    calibrate,
+    fp8_matmul,
+    int8_matmul,
+    quantize_,
+    quantize_fp8_rowwise,
+    quantize_int8_rowwise,
+    quantize_pt2e_x86,
+)
+
+int8_gemm = importlib.import_module("fuselab.quant.int8_gemm")
+fp8_gemm = importlib.import_module("fuselab.quant.fp8_gemm")
+scaled_gemm = importlib.import_module("fuselab.quant._scaled_gemm")
+
+EPS = 2.0**-24  # fp32 unit roundoff
+FP8 = torch.float8_e4m3fn
+SHAPES = [(37, 53, 29), (1, 19, 33), (65, 8, 70)]  # (M, K, N): odd, a row of 1, a short K
+OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Hopper's fp8 MMA keeps about 14 bits while it accumulates (DeepSeek-V3 report, 3.3.2); the kernel adds
+# each K tile into fp32, so at most BLOCK_K / 32 <= 8 reduced-precision additions per tile, each within
+# 2**-13 of the tile's sum of |products| (GPU only: the interpreter and the CPU path sum in fp32).
+FP8_MMA_BOUND = 8 * 2.0**-13
+
+
+# ----------------------------------------------------------------------------------------------
+# References and bounds
+# ----------------------------------------------------------------------------------------------
+
+
+def _skip_fp8_without_hardware(device, kind="fp8"):
+    if kind == "fp8" and device == "cuda" and torch.cuda.get_device_capability() < fp8_gemm.MIN_CAPABILITY:
+        pytest.skip("the fp8 kernel needs fp8 tensor cores (sm_89+)")
+
+
+def _operands(M, K, N, kind, device, b_layout="weight"):
+    """Random quantized operands as the layers make them: a (M, K), b (K, N) (a weight's .t() by
+    default), rowwise scales. Never zeros (they would hide unwritten outputs)."""
+    quantize = quantize_int8_rowwise if kind == "int8" else quantize_fp8_rowwise
+    a, a_scale = quantize(torch.randn(M, K, device=device))
+    w, b_scale = quantize(torch.randn(N, K, device=device))
+    b = w.t() if b_layout == "weight" else w.t().contiguous()
+    return a, b, a_scale, b_scale
+
+
+def epilogue_bound(p_abs, bias_abs):
+    """Error of the fp32 epilogue ((acc * a_scale) * b_scale + bias) over the exact value: the int32 ->
+    fp32 conversion and two products round at most 3 times relative to |p| = |acc a_scale b_scale|,
+    the bias addition once relative to |p| + |bias|; 5 unit roundoffs cover it with second-order slack."""
+    return 5 * EPS * (p_abs + bias_abs)
+
+
+def reference(a, b, a_scale, b_scale, bias, relu):
+    """The dequantized math in float64, and the error bound of the kernel's fp32 computation of it."""
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    scales = a_scale.double()[:, None] * b_scale.double()[None, :]
+    p = (a64 @ b64) * scales
+    bias64 = bias.double() if bias is not None else torch.zeros((), dtype=torch.float64, device=a.device)
+    ref = p + bias64
+    bound = epilogue_bound(p.abs(), bias64.abs())
+    if a.dtype == FP8:  # fp32 sums of exact products (int8 sums are exact)
+        bound = bound + dot_bound(torch.float32, a.shape[1], a64.abs(), b64.abs()) * scales
+    return (torch.relu(ref) if relu else ref), bound
+
+
+def quantization_bound(x, w, layer, kind):
+    """|y_quantized - y_float| elementwise, derived: with x ~ x^ = s_x q_x and w ~ w^ = s_w q_w,
+    |xw - x^w^| <= |x||w - w^| + |x - x^||w^| summed over K; each rounding error is bounded per kind
+    (int8: half a step, plus 2**-16 steps for the fp32 quotient and the clamp; e4m3: 2**-4 relative
+    for normals, 2**-10 steps below them, plus the quotient's rounding). The GEMM and epilogue
+    rounding is added on top."""
+    x64, w64 = x.double(), w.double()
+    quantize = quantize_int8_rowwise if kind == "int8" else quantize_fp8_rowwise
+    if kind == "int8" and layer.act_scale is not None:
+        s_x = layer.act_scale.double().expand(x.shape[0])
+        x_hat = torch.round(x.float() / layer.act_scale).clamp(-127, 127).double() * layer.act_scale.double()
+    else:
+        q, s_x = quantize(x)
+        s_x = s_x.double()
+        x_hat = q.double() * s_x[:, None]
+    s_w = layer.weight_scale.double()
+    w_hat = layer.weight.double() * s_w[:, None]
+    if kind == "int8":
+        e_x = (0.5 + 2.0**-16) * s_x[:, None].expand_as(x64)
+        e_w = (0.5 + 2.0**-16) * s_w[:, None].expand_as(w64)
+    else:
+        e_x = (2.0**-4 + 2.0**-22) * x64.abs() + 2.0**-10 * s_x[:, None]
+        e_w = (2.0**-4 + 2.0**-22) * w64.abs() + 2.0**-10 * s_w[:, None]
+    bias_abs = layer.bias.double().abs() if layer.bias is not None else 0.0
+    gemm = x_hat.abs() @ w_hat.abs().t()
+    rounding = epilogue_bound(gemm, bias_abs)
+    if kind == "fp8":
+        rounding = rounding + dot_bound(torch.float32, x.shape[1], x_hat.abs(), w_hat.abs().t())
+        if x.is_cuda:
+            rounding = rounding + FP8_MMA_BOUND * gemm
+    return x64.abs() @ e_w.t() + e_x @ w_hat.abs().t() + rounding
+
+
+def check_layer(layer, float_weight, float_bias, x, kind, relu):
+    """A quantized layer's output against the float layer's math in float64, within quantization_bound."""
+    with torch.no_grad():
+        y = layer(x)
+    ref = x.double() @ float_weight.double().t() + (float_bias.double() if float_bias is not None else 0.0)
+    if relu:
+        ref = torch.relu(ref)
+    assert_close(y, ref, quantization_bound(x, float_weight, layer, kind), f"{type(layer).__name__} output")
+
+
+# ----------------------------------------------------------------------------------------------
+# The GEMMs against float64
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("bias,relu", [(True, True), (False, False), (True, False)], ids=["bias-relu", "plain", "bias"])
+def test_gemm_matches_float64(device, kind, M, K, N, bias, relu):
+    _skip_fp8_without_hardware(device, kind)
+    a, b, a_scale, b_scale = _operands(M, K, N, kind, device)
+    bias_t = torch.randn(N, device=device) if bias else None
+    matmul = int8_matmul if kind == "int8" else fp8_matmul
+    out = matmul(a, b, a_scale, b_scale, bias_t, relu, torch.float32, backend="triton")
+    ref, bound = reference(a, b, a_scale, b_scale, bias_t, relu)
+    assert_close(out, ref, bound, f"{kind} triton")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+def test_output_dtypes_and_bias_dtypes(device, kind, out_dtype):
+    _skip_fp8_without_hardware(device, kind)
+    # The cast happens last: the output rounding (assert_close) is out_dtype's; a bf16 bias is read as is.
+    a, b, a_scale, b_scale = _operands(23, 40, 45, kind, device)
+    bias = torch.randn(45, device=device, dtype=torch.bfloat16)
+    matmul = int8_matmul if kind == "int8" else fp8_matmul
+    out = matmul(a, b, a_scale, b_scale, bias, True, out_dtype, backend="triton")
+    assert out.dtype == out_dtype
+    ref, bound = reference(a, b, a_scale, b_scale, bias, True)
+    assert_close(out, ref, bound, f"{kind} -> {out_dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_layouts_batches_and_strided_scales(device, kind):
+    _skip_fp8_without_hardware(device, kind)
+    # a batched (2, 3, K) and transposed in memory, b row-major, a per-tensor a_scale (stride 0),
+    # a strided b_scale and a strided bias: each read at its strides.
+    K, N = 37, 41
+    quantize = quantize_int8_rowwise if kind == "int8" else quantize_fp8_rowwise
+    a, _ = quantize(torch.randn(K, 6, device=device).t())  # elementwise ops keep the column-major layout
+    a = a.reshape(2, 3, K)
+    assert a.stride()[-1] != 1
+    a_scale = torch.rand((), device=device) + 0.5
+    w, _ = quantize(torch.randn(N, K, device=device))
+    b = w.t().contiguous()
+    b_scale = (torch.rand(2 * N, device=device) + 0.5)[::2]
+    bias = torch.randn(3 * N, device=device)[::3]
+    matmul = int8_matmul if kind == "int8" else fp8_matmul
+    out = matmul(a, b, a_scale, b_scale, bias, False, torch.float32, backend="triton")
+    assert out.shape == (2, 3, N)
+    ref, bound = reference(a.reshape(6, K), b, a_scale.expand(6), b_scale, bias, False)
+    assert_close(out.reshape(6, N), ref, bound, f"{kind} strided")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_empty_sizes(device, kind):
+    _skip_fp8_without_hardware(device, kind)
+    for M, K, N in [(0, 5, 4), (3, 0, 4), (3, 5, 0)]:
+        a, b, a_scale, b_scale = _operands(M, max(K, 1), N, kind, device)
+        a, b = a[:, :K], b[:K]  # K = 0 as views of real tensors
+        bias = torch.randn(N, device=device)
+        matmul = int8_matmul if kind == "int8" else fp8_matmul
+        out = matmul(a, b, a_scale, b_scale, bias, False, torch.float32, backend="triton")
+        assert out.shape == (M, N)
+        torch.testing.assert_close(out, bias.expand(M, N), rtol=0, atol=0)  # K = 0: the bias alone
+
+
+def test_int8_accumulators_cannot_overflow():
+    # The largest products (-128 * -128) over the largest K the op takes still fit int32.
+    K = int8_gemm.MAX_K
+    a = torch.full((1, K), -128, dtype=torch.int8)
+    b = torch.full((K, 1), -128, dtype=torch.int8)
+    assert K * 128 * 128 < 2**31
+    assert int8_matmul(a, b, None, None, backend="torch").item() == K * 128 * 128
+    with pytest.raises(ValueError, match="K=131072 is above 131071: the torch.int32 accumulators could overflow"):
+        int8_matmul(torch.zeros(1, K + 1, dtype=torch.int8), torch.zeros(K + 1, 1, dtype=torch.int8), None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU path (PyTorch's kernels) against the Triton path
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_int8_paths_give_the_same_accumulators(device, M, K, N):
+    # Integers: torch._int_mm and the Triton kernel must agree bit for bit, and with int64 math.
+    a, b, a_scale, b_scale = _operands(M, K, N, "int8", device)
+    triton_acc = int8_matmul(a, b, None, None, backend="triton")
+    torch_acc = int8_matmul(a, b, None, None, backend="torch")
+    assert triton_acc.dtype == torch_acc.dtype == torch.int32
+    assert torch.equal(triton_acc, torch_acc)
+    assert torch.equal(triton_acc.long(), a.long() @ b.long())
+    # The epilogues: each within fp32 rounding of the float64 value.
+    bias = torch.randn(N, device=device)
+    ref, bound = reference(a, b, a_scale, b_scale, bias, True)
+    for backend in ("triton", "torch"):
+        assert_close(int8_matmul(a, b, a_scale, b_scale, bias, True, torch.float32, backend=backend), ref, bound,
+                     f"int8 {backend}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_paths_agree(device):
+    _skip_fp8_without_hardware(device)
+    a, b, a_scale, b_scale = _operands(33, 70, 20, "fp8", device)
+    bias = torch.randn(20, device=device)
+    ref, bound = reference(a, b, a_scale, b_scale, bias, False)
+    for backend in ("triton", "torch"):
+        assert_close(fp8_matmul(a, b, a_scale, b_scale, bias, False, torch.float32, backend=backend), ref, bound,
+                     f"fp8 {backend}")
+
+
+def _force_pytorch_path(monkeypatch):
+    """Make the ops take their PyTorch bodies, as on a CPU without the interpreter."""
+    for module in (int8_gemm, fp8_gemm, scaled_gemm):
+        monkeypatch.setattr(module, "execution_path", lambda t, **kw: ExecutionPath.TORCH_ON_CPU)
+
+    def no_triton(*args, **kwargs):
+        raise AssertionError("the Triton kernel ran")
+
+    for module in (int8_gemm, fp8_gemm, scaled_gemm):
+        monkeypatch.setattr(module, "scaled_gemm", no_triton)
+
+
+@pytest.mark.parametrize("config", ["int8-dynamic", "int8-static", "fp8"])
+def test_quantized_model_on_the_cpu_path(config, monkeypatch):
+    # The same quantized model through PyTorch's kernels and through Triton: outputs within fp32 rounding.
+    model, x = _mlp(), torch.randn(9, 24)
+    report = quantize_(model, _config(config, model, x))
+    assert len(report.replaced) == 3
+    with torch.no_grad():
+        by_triton = model(x)
+        _force_pytorch_path(monkeypatch)
+        by_torch = model(x)
+    torch.testing.assert_close(by_torch, by_triton, rtol=2**-20, atol=2**-20 * by_triton.abs().max().item())
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs
+# ----------------------------------------------------------------------------------------------
+
+# (what is wrong, changes to the arguments, exception, a fragment of its message)
+BAD_INPUTS = [
+    ("float operands", dict(a=torch.randn(4, 8)), TypeError, "a and b must both be torch.int8"),
+    ("K mismatch", dict(b=torch.zeros(9, 5, dtype=torch.int8)), ValueError, "K mismatch"),
+    ("3-D b", dict(b=torch.zeros(1, 8, 5, dtype=torch.int8)), ValueError, "b (K, N)"),
+    ("one scale", dict(b_scale=None), ValueError, "give both a_scale and b_scale"),
+    ("fp16 scale", dict(a_scale=torch.ones(4, dtype=torch.float16)), TypeError, "a_scale must be float32"),
+    ("short scale", dict(a_scale=torch.ones(3)), ValueError, "a_scale must hold one scale per row of a (4)"),
+    ("long b_scale", dict(b_scale=torch.ones(6)), ValueError, "b_scale must hold one scale per column of b (5)"),
+    ("bias shape", dict(bias=torch.ones(4)), ValueError, "bias must have shape (N,) = (5,)"),
+    ("int bias", dict(bias=torch.ones(5, dtype=torch.int32)), TypeError, "bias must be float32, float16 or bfloat16"),
+    ("int8 out", dict(out_dtype=torch.int8), TypeError, "out_dtype must be float32, float16 or bfloat16"),
+    ("relu unscaled", dict(a_scale=None, b_scale=None, relu=True, out_dtype=torch.int32), ValueError,
+     "bias and relu need a_scale and b_scale"),
+    ("float raw", dict(a_scale=None, b_scale=None, out_dtype=torch.float32), TypeError,
+     "raw torch.int32 accumulators"),
+    ("devices", dict(b=torch.zeros(8, 5, dtype=torch.int8, device="meta")), ValueError,
+     "all tensors must be on one device"),
+    ("backend", dict(backend="cublas"), ValueError, "backend must be 'auto', 'triton' or 'torch'"),
+    ("triton on meta", dict(a=torch.ones(4, 8, dtype=torch.int8, device="meta"), backend="triton"), ValueError,
+     "backend='triton' runs on CUDA tensors"),
+]
+
+
+@pytest.mark.parametrize("what,changes,error,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_raise_naming_the_problem(what, changes, error, message):
+    args = dict(a=torch.ones(4, 8, dtype=torch.int8), b=torch.ones(8, 5, dtype=torch.int8), a_scale=torch.ones(4),
+                b_scale=torch.ones(5), bias=torch.ones(5), relu=False, out_dtype=torch.float32, backend="auto")
+    args.update(changes)
+    if args["a_scale"] is None and "bias" not in changes:
+        args["bias"] = None
+    with pytest.raises(error, match=_escaped(message)):
+        int8_matmul(**args)
+
+
+def test_bad_inputs_raise_in_the_op_and_its_fake():
+    # The registered op (and its fake, which export and compile call) check the same way.
+    a, b = torch.ones(4, 8, dtype=torch.int8), torch.ones(8, 5, dtype=torch.int8)
+    with pytest.raises(ValueError, match=_escaped("a_scale must have shape (4,), one scale per row of a")):
+        torch.ops.fuselab.int8_matmul_epilogue(a, b, torch.ones(3), torch.ones(5), None, False, torch.float32)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(t) for t in (a.float(), b, torch.ones(4), torch.ones(5))]
+    with mode, pytest.raises(TypeError, match="a and b must both be torch.int8"):
+        torch.ops.fuselab.int8_matmul_epilogue(*fakes, None, False, torch.float32)
+    with pytest.raises(TypeError, match="a and b must both be torch.float8_e4m3fn"):
+        fp8_matmul(a, b, torch.ones(4), torch.ones(5))
+
+
+def test_fp8_refused_on_gpus_without_fp8_tensor_cores(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    why = fp8_gemm.check_fp8_device(torch.device("cuda", 0))
+    assert "compute capability 8.9 or newer" in why and "sm_80" in why and "A100" in why
+    assert fp8_gemm.check_fp8_device(torch.device("cpu")) is None
+    model = _mlp()
+    monkeypatch.setattr(fp8_gemm, "check_fp8_device", lambda device: why)  # as if the layers were on that GPU
+    quantize_module = importlib.import_module("fuselab.quant.quantize")
+    monkeypatch.setattr(quantize_module, "check_fp8_device", lambda device: why)
+    report = quantize_(model, Float8RowwiseConfig())
+    assert not report.replaced and all("sm_80" in reason for reason in report.skipped.values())
+
+
+def _escaped(text):
+    import re
+
+    return re.escape(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration: opcheck, compile, export
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_opcheck(device, kind):
+    _skip_fp8_without_hardware(device, kind)
+    a, b, a_scale, b_scale = _operands(11, 24, 9, kind, device)
+    op = torch.ops.fuselab.int8_matmul_epilogue if kind == "int8" else torch.ops.fuselab.fp8_matmul_epilogue
+    bias = torch.randn(9, device=device, dtype=torch.bfloat16)
+    # test_schema compares inputs before and after with ops PyTorch lacks for fp8 tensors
+    kw = {} if kind == "int8" else {"test_utils": ("test_autograd_registration", "test_faketensor",
+                                                   "test_aot_dispatch_dynamic")}
+    torch.library.opcheck(op, (a, b, a_scale, b_scale, bias, True, torch.bfloat16), **kw)
+    torch.library.opcheck(op, (a.t().contiguous().t(), b.contiguous(), a_scale, b_scale, None, False,
+                               torch.float32), **kw)
+    raw = torch.int32 if kind == "int8" else torch.float32
+    torch.library.opcheck(op, (a, b, None, None, None, False, raw), **kw)
+
+
+def _mlp(d_in=24, hidden=40, d_out=10):
+    """Linear-ReLU-Linear-ReLU-Linear with the ReLUs fused (FusedLinearReLU), as a user would build it."""
+    model = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                          nn.Linear(hidden, d_out))
+    model, report = fuse_linear_relu(model)
+    assert len(report.fused) == 2
+    return model
+
+
+def _config(name, model, x):
+    if name == "int8-dynamic":
+        return Int8DynamicActivationInt8WeightConfig()
+    if name == "fp8":
+        return Float8RowwiseConfig()
+    calib = calibrate(model, [x], 1, progress=False)
+    return Int8StaticActivationInt8WeightConfig(calib.act_scales())
+
+
+def test_compile_fullgraph():
+    torch._dynamo.reset()
+    model, x = _mlp(), torch.randn(6, 24)
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert any("fuselab.int8_matmul_epilogue" in op for op in ops)
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
+
+
+_LOAD_IN_FRESH_PROCESS = textwrap.dedent("""
+    import sys, torch
+    import fuselab.quant  # registers the ops the graphs call
+    for name in sys.argv[2:]:
+        ep = torch.export.load(f"{sys.argv[1]}/{name}.pt2")
+        x = torch.load(f"{sys.argv[1]}/{name}.x.pt")
+        torch.save(ep.module()(x), f"{sys.argv[1]}/{name}.out.pt")
+""")
+
+
+def test_export_save_and_load_in_a_fresh_process(tmp_path):
+    # Each quantized model exported with fuselab's ops as graph nodes, saved as .pt2, loaded by a new
+    # process. That process runs without the interpreter: its CPU path (PyTorch's kernels) must give
+    # what this process's Triton path gave, to within fp32 rounding.
+    names, outputs = ["int8-dynamic", "int8-static", "fp8"], {}
+    for name in names:
+        model, x = _mlp(), torch.randn(7, 24)
+        quantize_(model, _config(name, model, x))
+        ep = torch.export.export(model, (x,))
+        op = torch.ops.fuselab.fp8_matmul_epilogue if name == "fp8" else torch.ops.fuselab.int8_matmul_epilogue
+        assert sum(n.target is op.default for n in ep.graph.nodes) == 3
+        torch.export.save(ep, tmp_path / f"{name}.pt2")
+        torch.save(x, tmp_path / f"{name}.x.pt")
+        with torch.no_grad():
+            outputs[name] = model(x)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _LOAD_IN_FRESH_PROCESS, str(tmp_path), *names], env=env,
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in names:
+        loaded = torch.load(tmp_path / f"{name}.out.pt")
+        expected = outputs[name]
+        torch.testing.assert_close(loaded, expected, rtol=2**-20, atol=2**-20 * expected.abs().max().item())
+
+
+# ----------------------------------------------------------------------------------------------
+# quantize_: every config, FusedLinearReLU, the report, sizes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["int8-dynamic", "int8-static", "fp8"])
+def test_every_config_on_an_mlp(config):
+    model, x = _mlp(), torch.randn(9, 24)
+    floats = [(m.weight.detach().clone(), m.bias.detach().clone(), type(m) is FusedLinearReLU)
+              for m in model if isinstance(m, nn.Linear)]
+    report = quantize_(model, _config(config, model, x))
+    assert list(report.replaced) == ["0", "2", "4"] and not report.skipped
+    layer_type = Float8Linear if config == "fp8" else Int8Linear
+    kind = "fp8" if config == "fp8" else "int8"
+    layers = [m for m in model if isinstance(m, layer_type)]
+    assert [layer.relu for layer in layers] == [True, True, False]  # the FusedLinearReLU layers keep their ReLU
+    assert "ReLU fused into the epilogue" in report.replaced["0"] and "ReLU" not in report.replaced["4"]
+    assert (getattr(layers[0], "act_scale", None) is not None) == (config == "int8-static")
+    h = x
+    for layer, (weight, bias, relu) in zip(layers, floats):  # each layer on its float input
+        check_layer(layer, weight, bias, h, kind, relu)
+        h = torch.relu(F.linear(h, weight, bias)) if relu else F.linear(h, weight, bias)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_relu_is_fused_into_the_epilogue(device, monkeypatch):
+    # A FusedLinearReLU becomes one GEMM launch with RELU on, no separate ReLU op.
+    model = nn.Sequential(FusedLinearReLU(16, 12)).to(device)
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    launches = []
+    original = scaled_gemm.scaled_gemm
+    monkeypatch.setattr(scaled_gemm, "scaled_gemm",
+                        lambda *args, **kw: launches.append(args[-1]) or original(*args, **kw))
+    with torch.no_grad():
+        out = model(torch.randn(5, 16, device=device))
+    assert launches == [True] and (out >= 0).all() and (out == 0).any()
+
+
+def test_report_says_what_was_replaced_and_why_the_rest_was_not():
+    class Sub(nn.Linear):
+        pass
+
+    hooked = nn.Linear(8, 8)
+    hooked.register_forward_hook(lambda m, i, o: o)
+    shared = nn.Linear(8, 8)
+    model = nn.ModuleDict({
+        "plain": nn.Linear(8, 8), "fused": FusedLinearReLU(8, 8), "sub": Sub(8, 8), "hooked": hooked,
+        "float64": nn.Linear(8, 8).double(), "vetoed": nn.Linear(8, 8), "shared": shared,
+        "block": nn.ModuleDict({"again": shared}), "attn": nn.MultiheadAttention(8, 2),
+    })
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda name, layer: name != "vetoed")
+    assert set(report.replaced) == {"plain", "fused", "shared"}
+    assert report.replaced["fused"] == "Int8Linear (ReLU fused into the epilogue)"
+    assert model["block"]["again"] is model["shared"]  # a shared layer: one quantized layer in both places
+    assert "not exactly nn.Linear or FusedLinearReLU" in report.skipped["sub"]
+    assert "hooks" in report.skipped["hooked"]
+    assert "torch.float64" in report.skipped["float64"]
+    assert report.skipped["vetoed"] == "vetoed by filter_fn"
+    assert "NonDynamicallyQuantizableLinear" in report.skipped["attn.out_proj"]
+    assert type(model["sub"]) is Sub and type(model["attn"].out_proj) is not Int8Linear
+    text = str(report)
+    assert "quantized 3 Linear with Int8DynamicActivationInt8WeightConfig; left 5 alone" in text
+    assert "skipped  vetoed: vetoed by filter_fn" in text
+
+
+def test_static_config_leaves_uncalibrated_layers_alone_and_reports_errors():
+    model = _mlp()
+    x = torch.randn(16, 24)
+    calib = calibrate(model, [x], 1, progress=False)
+    scales = calib.act_scales()
+    del scales["4"]
+    report = quantize_(model, Int8StaticActivationInt8WeightConfig(scales), calibration=calib)
+    assert set(report.replaced) == {"0", "2"}
+    assert "no calibrated activation scale" in report.skipped["4"]
+    assert set(report.errors) == {"0", "2"}
+    assert all(0 < e < 0.05 for e in report.errors.values()), report.errors  # int8 of Gaussian data: ~1%
+    assert "relative error" in str(report)
+
+
+def test_unknown_config_and_bad_scales_raise():
+    with pytest.raises(TypeError, match="no quantize_ handler for str; known configs: Float8RowwiseConfig"):
+        quantize_(_mlp(), "int8")
+    with pytest.raises(ValueError, match=_escaped("act_scales['fc'] must be a positive finite number, got 0.0")):
+        Int8StaticActivationInt8WeightConfig({"fc": 0.0})
+    with pytest.raises(Exception):  # frozen: a model's config cannot change under it
+        Int8StaticActivationInt8WeightConfig({"fc": 1.0}).act_scales["fc"] = 2.0
+
+
+@pytest.mark.parametrize("config", ["int8-dynamic", "int8-static"])
+def test_int8_state_dict_is_3_9x_smaller(config):
+    # Linear-dominated: 2 x (512 x 512) weights. fp32: 4 bytes a weight; int8: 1, plus a 4-byte scale
+    # and a 4-byte bias per output channel (and a 4-byte static scale per layer).
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    x = torch.randn(2, 512)
+    cfg = (Int8DynamicActivationInt8WeightConfig() if config == "int8-dynamic"
+           else Int8StaticActivationInt8WeightConfig(calibrate(model, [x], 1, progress=False).act_scales()))
+    quantize_(model, cfg)
+    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert before == 2 * (512 * 512 + 512) * 4
+    assert after == 2 * (512 * 512 + 512 * 4 + 512 * 4) + (8 if config == "int8-static" else 0)
+    assert before / after >= 3.9
+
+
+def test_state_dict_round_trip():
+    model = _mlp()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    fresh = nn.Sequential(Int8Linear(24, 40, relu=True), nn.Identity(), Int8Linear(40, 40, relu=True),
+                          nn.Identity(), Int8Linear(40, 10))
+    fresh.load_state_dict(model.state_dict())
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+
+
+def test_output_dtype_follows_input_and_autocast():
+    model = _mlp()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert model(x).dtype == torch.float32
+        assert model(x.to(torch.bfloat16)).dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(x).dtype == torch.bfloat16
+        with pytest.raises(TypeError, match="float32, float16 or bfloat16 inputs, got torch.float64"):
+            model(x.double())
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------------------------
+
+
+def test_calibrate_records_ranges_and_samples():
+    model = _mlp()
+    model.train()
+    batches = [(torch.randn(6, 24), torch.zeros(6)) for _ in range(3)]
+    calib = calibrate(model, batches + [None], 3, sample_rows=10, progress=True)
+    assert model.training and all(m.training for m in model.modules())  # the mode is restored
+    assert calib.n_batches == 3
+    assert calib.absmax["0"] == max(x.abs().max().item() for x, _ in batches)
+    assert calib.samples["0"].shape == (10, 24) and torch.equal(calib.samples["0"][:6], batches[0][0])
+    assert calib.samples["2"].shape == (10, 40)
+    assert calib.act_scales()["0"] == calib.absmax["0"] / 127
+    assert not any(m._forward_pre_hooks for m in model.modules())  # hooks removed
+
+
+def test_calibrate_without_tqdm_and_bad_arguments(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # tqdm is optional: absent, there is no progress bar
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    model = _mlp()
+    calib = calibrate(model, [torch.randn(2, 24)], 1)
+    assert set(calib.absmax) == {"0", "2", "4"}
+    with pytest.raises(ValueError, match="the loader ran out after 1 batches; n_batches=2"):
+        calibrate(model, [torch.randn(2, 24)], 2)
+    with pytest.raises(ValueError, match="n_batches must be a positive int, got 0"):
+        calibrate(model, [], 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# DistillationLoss
+# ----------------------------------------------------------------------------------------------
+
+
+def _hand_written_loss(s, t, y, T, alpha):
+    """The formula, written out in float64: alpha T^2 mean_n sum_c p_t (log p_t - log p_s) + (1 - alpha) CE."""
+    s, t = s.double(), t.double()
+
+    def log_softmax(z):
+        z = z - z.max(dim=1, keepdim=True).values
+        return z - z.exp().sum(dim=1, keepdim=True).log()
+
+    log_p_s, log_p_t = log_softmax(s / T), log_softmax(t / T)
+    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(dim=1).mean()
+    ce = -log_softmax(s)[torch.arange(len(y)), y].mean()
+    return alpha * T * T * kl + (1 - alpha) * ce
+
+
+@pytest.mark.parametrize("T,alpha", [(4.0, 0.9), (1.0, 0.5), (2.5, 0.0), (7.0, 1.0)])
+def test_distillation_loss_matches_the_formula(T, alpha):
+    s, t = torch.randn(8, 10) * 3, torch.randn(8, 10) * 3
+    y = torch.randint(0, 10, (8,))
+    loss = DistillationLoss(T, alpha)
+    ref = _hand_written_loss(s, t, y, T, alpha)
+    torch.testing.assert_close(loss(s.double(), t.double(), y), ref, rtol=1e-12, atol=1e-12)
+    # fp32 math: each log-softmax term is within a few ulps of its value; sums of 10 classes and 8 rows.
+    torch.testing.assert_close(loss(s, t, y).double(), ref, rtol=64 * EPS * T * T, atol=64 * EPS * T * T)
+
+
+def test_distillation_loss_gradients():
+    s = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 5, (4,))
+    assert torch.autograd.gradcheck(lambda s, t: DistillationLoss(3.0, 0.7)(s, t, y), (s, t))
+
+
+def test_distillation_loss_fp32_under_autocast():
+    s, t = torch.randn(6, 7).to(torch.bfloat16), torch.randn(6, 7).to(torch.bfloat16)
+    y = torch.randint(0, 7, (6,))
+    loss = DistillationLoss(2.0, 0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = loss(s, t, y)
+    assert under.dtype == torch.float32
+    assert torch.equal(under, loss(s.float(), t.float(), y))
+
+
+@pytest.mark.parametrize("args,message", [
+    ((0.0, 0.5), "temperature must be a positive finite number, got 0.0"),
+    ((float("inf"), 0.5), "temperature must be a positive finite number, got inf"),
+    ((2.0, 1.5), "alpha must be a number in [0, 1], got 1.5"),
+    ((2.0, -0.1), "alpha must be a number in [0, 1], got -0.1"),
+])
+def test_distillation_loss_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=_escaped(message)):
+        DistillationLoss(*args)
+
+
+def test_distillation_loss_bad_inputs():
+    loss = DistillationLoss()
+    s, y = torch.randn(4, 3), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=_escaped("must both be (N, C) of one shape, got (4, 3) and (4, 5)")):
+        loss(s, torch.randn(4, 5), y)
+    with pytest.raises(ValueError, match=_escaped("target must be (N,) = (4,) int64 class indices")):
+        loss(s, s, y.float())
+    with pytest.raises(ValueError, match="the batch is empty"):
+        loss(s[:0], s[:0], y[:0])
+
+
+# ----------------------------------------------------------------------------------------------
+# The pt2e route for conv nets
+# ----------------------------------------------------------------------------------------------
+
+
+class _SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.fc = nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv1(x)))
+        h = torch.relu(self.conv2(h)) + h  # a residual add: eager torch.ao quantization fails here
+        return self.fc(h.mean((2, 3)))
+
+
+def test_pt2e_names_torchao_when_it_is_missing(monkeypatch):
+    for name in ("torchao", "torchao.quantization", "torchao.quantization.pt2e",
+                 "torchao.quantization.pt2e.quantize_pt2e", "torchao.quantization.pt2e.quantizer",
+                 "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r"quantize_pt2e_x86 needs torchao.*pip install torchao"):
+        quantize_pt2e_x86(_SmallCNN().eval(), (torch.randn(2, 1, 8, 8),), [], 1)
+
+
+def test_pt2e_static_int8_conv_net():
+    pytest.importorskip("torchao.quantization.pt2e", reason="torchao is optional (pip install torchao)")
+    model = _SmallCNN().eval()
+    batches = [torch.randn(4, 1, 10, 10) for _ in range(3)]
+    converted = quantize_pt2e_x86(model, (batches[0],), batches, 3, progress=False)
+    targets = {str(n.target) for n in converted.graph.nodes}
+    assert any("quantize_per_tensor" in t for t in targets) and any("dequantize_per_channel" in t for t in targets)
+    with torch.no_grad():
+        ref, out = model(batches[0]), converted(batches[0])
+    assert (out - ref).norm() / ref.norm() < 0.05  # 8-bit static quantization: errors of a few 1e-3
+    with pytest.raises(ValueError, match="the loader ran out after 1 batches"):
+        quantize_pt2e_x86(model, (batches[0],), batches[:1], 2, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the Triton paths at realistic shapes
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(4096, 4096, 4096), (8192, 1024, 3072), (16, 4096, 11008), (1000, 1000, 1000)])
+def test_int8_gpu_realistic(M, K, N):
+    a, b, a_scale, b_scale = _operands(M, K, N, "int8", "cuda")
+    # cuBLAS's torch._int_mm where it takes the shape (else float64, exact too): the same integers
+    assert torch.equal(int8_matmul(a, b, None, None), int8_matmul(a, b, None, None, backend="torch"))
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    out = int8_matmul(a, b, a_scale, b_scale, bias, True, torch.bfloat16)
+    ref, bound = reference(a, b, a_scale, b_scale, bias, True)
+    assert_close(out, ref, bound, "int8 on the GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(4096, 4096, 4096), (8192, 1024, 3072), (16, 4096, 11008), (1000, 1000, 1000)])
+def test_fp8_gpu_realistic(M, K, N):
+    _skip_fp8_without_hardware("cuda")
+    a, b, a_scale, b_scale = _operands(M, K, N, "fp8", "cuda")
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    out = fp8_matmul(a, b, a_scale, b_scale, bias, True, torch.bfloat16)
+    ref, bound = reference(a, b, a_scale, b_scale, bias, True)
+    products = (a.double().abs() @ b.double().abs()) * a_scale.double()[:, None] * b_scale.double()[None, :]
+    assert_close(out, ref, bound + FP8_MMA_BOUND * products, "fp8 on the GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["int8-dynamic", "int8-static", "fp8"])
+def test_quantized_model_gpu_compiled(config):
+    _skip_fp8_without_hardware("cuda", "fp8" if config == "fp8" else "int8")
+    torch._dynamo.reset()
+    model = _mlp(256, 512, 128).cuda().to(torch.bfloat16)
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    floats = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in model if isinstance(m, nn.Linear)]
+    report = quantize_(model, _config(config, model, x))
+    assert len(report.replaced) == 3
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=2**-7, atol=2**-7 * eager.abs().max().item())  # bf16 output
+    layer = next(m for m in model if isinstance(m, (Int8Linear, Float8Linear)))
+    check_layer(layer, *floats[0], x, "fp8" if config == "fp8" else "int8", relu=True)

@@ -11,10 +11,22 @@ or the first config after it that the kernel's pruning keeps (an fp32 problem ne
 tile's shared memory). This governs eager launches: under ``torch.compile`` inductor tunes user
 kernels over ``configs`` itself. Under the Triton interpreter timings mean nothing, so the tuner's
 ``do_bench`` is a constant there too.
+
+Before timing anything for a new key, the tuner looks for a choice made in advance: first in the user's
+cache above (made on this very machine, at a shape it met), then in the config file shipped for this GPU
+(``fuselab/kernels/configs/<gpu>.json``, written by ``python -m fuselab.tune --write-configs``), so that a
+key on the shipped grid is never timed on a user's machine. A shipped file records the Triton version
+and each kernel's fingerprint; a file for another Triton, or a kernel entry for another version of the
+kernel, is ignored with one warning, and the key is tuned as usual. When the tuner does time, it says so
+in one line per key on the ``fuselab.autotune`` logger, at WARNING level: Python prints such a record with
+no logging set up (the message alone, on stderr), an application's logging config routes or silences it
+(``logging.getLogger("fuselab.autotune").setLevel(logging.ERROR)``), and, unlike a warning, it never
+becomes an exception under ``-W error`` or pytest's ``filterwarnings = error``.
 """
 import hashlib
 import inspect
 import json
+import logging
 import os
 import re
 import tempfile
@@ -22,7 +34,7 @@ import types
 import warnings
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import triton
 from triton.runtime.autotuner import Autotuner
@@ -30,11 +42,25 @@ from triton.runtime.autotuner import Autotuner
 from fuselab import settings
 from fuselab.kernels._runtime import INTERPRET, device_name
 
+# The per-GPU choices that ship in the package; a module attribute so that tests can point it elsewhere.
+SHIPPED_CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+CONFIGS_FORMAT = "fuselab-configs/1"
+log = logging.getLogger("fuselab.autotune")
+
+
+def gpu_file_name(name: Optional[str] = None) -> str:
+    """A GPU name as a file or directory name (``NVIDIA H200`` -> ``NVIDIA_H200``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name() if name is None else name)
+
 
 def cache_dir() -> Path:
     """This process's autotune directory: per cache root, GPU name and Triton version."""
-    gpu = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name())
-    return settings.CACHE_DIR.get() / "autotune" / gpu / f"triton-{triton.__version__}"
+    return settings.CACHE_DIR.get() / "autotune" / gpu_file_name() / f"triton-{triton.__version__}"
+
+
+def shipped_configs_path(gpu: Optional[str] = None, directory: Optional[Path] = None) -> Path:
+    """The shipped config file for ``gpu`` (default: this process's GPU, ``device_name()``)."""
+    return Path(SHIPPED_CONFIGS_DIR if directory is None else directory) / f"{gpu_file_name(gpu)}.json"
 
 
 def _constant_bench(fn, quantiles=None, **kwargs):
@@ -140,6 +166,109 @@ def _read_cache(path: Path) -> Dict[str, str]:
     return {}
 
 
+_shipped_files: Dict[Tuple[Path, int, int], dict] = {}  # (path, mtime, size) -> its parsed content
+_warned_shipped: Set[Tuple[Path, str]] = set()
+
+
+def _warn_shipped_once(path: Path, what: str, message: str) -> None:
+    if (path, what) not in _warned_shipped:
+        _warned_shipped.add((path, what))
+        warnings.warn(f"fuselab: ignoring {message}; the kernel is tuned on first use instead. Rerun "
+                      f"`python -m fuselab.tune --write-configs` on this GPU to refresh the file.",
+                      RuntimeWarning, stacklevel=4)
+
+
+def _read_shipped(path: Path) -> dict:
+    """The parsed config file at ``path`` ({} if absent; a broken one is reported once, as {}),
+    read once per process and version of the file."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return {}
+    key = (path, stat.st_mtime_ns, stat.st_size)
+    if key not in _shipped_files:
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or data.get("format") != CONFIGS_FORMAT:
+                raise ValueError(f"not a {CONFIGS_FORMAT} file")
+        except (OSError, ValueError) as e:
+            _warn_shipped_once(path, "corrupt", f"the shipped config file {path}: {e}")
+            data = {}
+        _shipped_files[key] = data
+    return _shipped_files[key]
+
+
+def shipped_choices(kernel_name: str, fingerprint: str, path: Optional[Path] = None) -> Dict[str, str]:
+    """The choices shipped for ``kernel_name`` on this GPU: ``{repr(tuning key): str(config)}``.
+
+    Empty without a file, and (with one warning per file) for a file made with another Triton or an
+    entry made for another version of the kernel: its choices were timed among other configs or code."""
+    path = shipped_configs_path() if path is None else path
+    data = _read_shipped(path)
+    entry = data.get("kernels", {}).get(kernel_name)
+    if not isinstance(entry, dict):
+        return {}
+    if data.get("triton") != triton.__version__:
+        _warn_shipped_once(path, "triton", f"the shipped config file {path}: it was tuned with triton "
+                                           f"{data.get('triton')}, this is triton {triton.__version__}")
+        return {}
+    if entry.get("fingerprint") != fingerprint:
+        _warn_shipped_once(path, kernel_name, f"the configs for {kernel_name} in {path}: they were tuned for "
+                                              f"another version of the kernel (fingerprint "
+                                              f"{entry.get('fingerprint')}, now {fingerprint})")
+        return {}
+    configs = entry.get("configs")
+    return {k: v for k, v in configs.items() if isinstance(v, str)} if isinstance(configs, dict) else {}
+
+
+def write_shipped_configs(path: Path, gpu: str, kernels: Dict[str, Tuple[str, Dict[str, str]]],
+                          about: Optional[dict] = None) -> Path:
+    """Write (atomically) the config file ``path`` for ``gpu``: ``kernels`` maps a kernel's name to
+    (fingerprint, {repr(tuning key): str(config)}). Choices already in the file for the same Triton and
+    kernel fingerprint are kept unless replaced; any other entry of that kernel is dropped."""
+    old = _read_shipped(path) if path.exists() else {}
+    same_triton = old.get("triton") == triton.__version__
+    merged: Dict[str, dict] = {}
+    for name, (fingerprint, configs) in kernels.items():
+        previous = old.get("kernels", {}).get(name, {}) if same_triton else {}
+        kept = previous.get("configs", {}) if previous.get("fingerprint") == fingerprint else {}
+        merged[name] = {"fingerprint": fingerprint, "configs": dict(sorted({**kept, **configs}.items()))}
+    if same_triton:  # kernels this sweep did not cover keep their entries
+        merged = {**{k: v for k, v in old.get("kernels", {}).items() if k not in merged}, **merged}
+    data = {"format": CONFIGS_FORMAT, "gpu": gpu, "triton": triton.__version__, "about": about or {},
+            "kernels": dict(sorted(merged.items()))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+_SHORT_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def describe_key(names: Sequence[str], tuning_key: tuple) -> str:
+    """A tuning key in words: the first tensor's dtype, ``M~8192`` for each ``M_BUCKET``, the flags
+    that are set, then any other value (``describe_key(["M_BUCKET", "TMA_OK"], (8192, True, "torch.bfloat16"))``
+    is ``bf16 M~8192 TMA_OK``)."""
+    values, dtypes = tuning_key[:len(names)], [str(v) for v in tuning_key[len(names):]]
+    words = [_SHORT_DTYPES.get(dtypes[0], dtypes[0].replace("torch.", ""))] if dtypes else []
+    for name, value in zip(names, values):
+        if name.endswith("_BUCKET"):
+            words.append(f"{name[:-len('_BUCKET')]}~{value}")
+        elif value is True:
+            words.append(name)
+        elif value is not False:
+            words.append(f"{name}={value}")
+    return " ".join(words)
+
+
 class PersistentAutotuner(Autotuner):
     """An Autotuner that reads and writes its choices in a JSON file (see module docstring)."""
 
@@ -162,12 +291,20 @@ class PersistentAutotuner(Autotuner):
         self._key_positions = [(name, fn.arg_names.index(name)) for name in key]
         self._arg_set = frozenset(fn.arg_names)
         self._meta: Dict[int, dict] = {}
+        self._shipped: Dict[str, Dict[str, str]] = {}  # GPU name -> its shipped choices
 
     @cached_property
     def fingerprint(self) -> str:
         """``tuning_fingerprint`` of this kernel, computed when first needed: the helpers a kernel
         calls may be defined after it in its module."""
         return tuning_fingerprint(self.fn, *self._tuned_over)
+
+    def shipped(self) -> Dict[str, str]:
+        """The current GPU's shipped choices for this kernel (``shipped_choices``), read once per GPU name."""
+        gpu = device_name()
+        if gpu not in self._shipped:
+            self._shipped[gpu] = shipped_choices(self.base_fn.__name__, self.fingerprint)
+        return self._shipped[gpu]
 
     def _decide_tuning(self) -> None:
         """Read FUSELAB_AUTOTUNE: without tuning, the heuristic goes first and nothing is timed."""
@@ -207,14 +344,17 @@ class PersistentAutotuner(Autotuner):
         if not self.tune:  # an untimed choice must not be stored as a tuned one
             bench_fn()
             return False
-        path = self.cache_file()
         entry = repr(tuning_key)
         by_name = {str(c): c for c in configs}
-        stored = _read_cache(path).get(entry)
-        if isinstance(stored, str) and stored in by_name:
-            self.cache[tuning_key] = by_name[stored]
-            self.configs_timings = {}
-            return True
+        path = self.cache_file()
+        # The user's own choice first (timed on this machine, at a shape it ran), then the sweep's for this GPU.
+        for stored in (_read_cache(path).get(entry), self.shipped().get(entry)):
+            if isinstance(stored, str) and stored in by_name:
+                self.cache[tuning_key] = by_name[stored]
+                self.configs_timings = {}
+                return True
+        log.warning("fuselab: tuning %s %s: %d configs, once per GPU (cached in %s)", self.base_fn.__name__,
+                    describe_key(self.keys, tuning_key), len(configs), path.parent)
         bench_fn()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,163 @@
+"""``python -m fuselab.tune``: see the package docstring (``python -m fuselab.tune --help``)."""
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import fuselab.tune
+from fuselab.kernels import _autotune
+from fuselab.kernels._runtime import INTERPRET
+from fuselab.tune import grid
+from fuselab.tune.kernels import KERNELS
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fuselab.tune", description=fuselab.tune.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--check-heldout", action="store_true",
+                        help="time the shipped choice against the exhaustive best on shapes the grid lacks")
+    action.add_argument("--first-call", action="store_true",
+                        help="time a fresh process's first call per shape (cold and warm Triton cache)")
+    action.add_argument("--plot", type=Path, metavar="RESULTS", help="plot a sweep's results file, then exit")
+    p.add_argument("--grid", default=None,
+                   help=f"the sweep's grid: {', '.join(grid.GRIDS)} or a JSON file (default: default; tiny with "
+                        f"--dry-run)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results JSON (default: runs/<study>-<gpu>.json under the current directory)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue --out: skip what it already holds")
+    again.add_argument("--overwrite", action="store_true", help="start --out over")
+    p.add_argument("--budget-min", type=_positive(float), default=None,
+                   help="stop starting new timings after this many minutes (saved; --resume continues)")
+    p.add_argument("--write-configs", action="store_true",
+                   help="write the best config per tuning key into the configs file for this GPU")
+    p.add_argument("--configs-dir", type=Path, default=None,
+                   help=f"the configs files' folder (default: the package's, {_autotune.SHIPPED_CONFIGS_DIR})")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run in the Triton interpreter on the CPU (timings mean nothing): checks the machinery")
+    p.add_argument("--jobs", type=_non_negative_int, default=None,
+                   help="processes compiling kernels ahead of timing (default: half the CPUs, at most 8; "
+                        "0: compile in this process)")
+    p.add_argument("--warmup-ms", type=_positive(float), default=5, help="do_bench warmup per config (ms)")
+    p.add_argument("--rep-ms", type=_positive(float), default=25, help="do_bench timed calls per config (ms)")
+    p.add_argument("--rounds", type=_positive(int), default=3,
+                   help="--check-heldout: alternate re-timings of the shipped and the best config")
+    p.add_argument("--commit", default=None, help="the commit measured, where git cannot tell (a copy without .git)")
+    p.add_argument("--dirty", action="store_true", help="with --commit: the working tree had changes")
+    checks = p.add_argument_group("the checks' problems (--check-heldout, --first-call)")
+    checks.add_argument("--shapes", default=None,
+                        help="MxNxK,... (default: grid.HELDOUT_SHAPES, or the benchmark's for --first-call)")
+    checks.add_argument("--dtypes", default=None, help=f"of {list(KERNELS['matmul_relu'].dtypes)} (default: bf16)")
+    checks.add_argument("--layouts", default=None,
+                        help=f"of {list(KERNELS['matmul_relu'].layouts)} (default: both; matmul for --first-call)")
+    checks.add_argument("--ops", default=None,
+                        help=f"of {list(KERNELS['matmul_relu'].ops)} (default: fwd,bwd; fwd for --first-call)")
+    p.add_argument("--plot-dir", type=Path, default=None, help="--plot's folder (default: beside the results)")
+    return p
+
+
+def _check_problems(p: argparse.ArgumentParser, args) -> List[grid.Problem]:
+    first = args.first_call
+    shapes = grid.parse_shapes(args.shapes) if args.shapes else (grid.BENCHMARK_SHAPES if first else
+                                                                    grid.HELDOUT_SHAPES)
+    block = {"shapes": [list(s) for s in shapes], "dtypes": (args.dtypes or "bf16").split(","),
+             "layouts": (args.layouts or ("matmul" if first else "linear,matmul")).split(","),
+             "ops": (args.ops or ("fwd" if first else "fwd,bwd")).split(",")}
+    return grid.problems([block], KERNELS)
+
+
+def _validate(p: argparse.ArgumentParser, args) -> None:
+    check = args.check_heldout or args.first_call
+    if args.plot is not None:
+        return
+    if check and args.grid is not None:
+        p.error("--grid is the sweep's; the checks take --shapes, --dtypes, --layouts and --ops")
+    if not check and any(v is not None for v in (args.shapes, args.dtypes, args.layouts, args.ops)):
+        p.error("--shapes, --dtypes, --layouts and --ops choose the checks' problems; the sweep's come from --grid")
+    if check and (args.write_configs or args.budget_min is not None or args.resume or args.overwrite):
+        p.error("--write-configs, --budget-min, --resume and --overwrite are the sweep's")
+    if args.dirty and args.commit is None:
+        p.error("--dirty describes --commit: give both")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    _validate(p, args)
+    if args.plot is not None:
+        from fuselab.tune.plot import plot_sweep
+
+        if not args.plot.is_file():
+            p.error(f"--plot {args.plot}: no such file")
+        for path in plot_sweep(args.plot, args.plot_dir or args.plot.with_name(args.plot.stem + "-plots")):
+            print(path)
+        return 0
+    if args.dry_run and not INTERPRET:  # the interpreter is chosen before Triton loads: a new process
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        return subprocess.call([sys.executable, "-m", "fuselab.tune", *argv], env=env)
+    grid_name = args.grid or ("tiny" if args.dry_run else "default")
+    try:
+        problems = _check_problems(p, args) if args.check_heldout or args.first_call else grid.load(grid_name, KERNELS)
+    except grid.GridError as e:
+        p.error(str(e))
+    from fuselab.tune import checks
+    from fuselab.tune.sweep import Options, SweepError, summary, sweep, write_configs
+
+    jobs = args.jobs if args.jobs is not None else min(8, (os.cpu_count() or 2) // 2)
+    options = Options(mode="wall" if INTERPRET else "eager", warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                      budget_s=args.budget_min * 60 if args.budget_min else None, jobs=0 if INTERPRET else jobs,
+                      commit=args.commit, dirty=args.dirty if args.commit else None, grid=grid_name)
+    study = "tune_heldout" if args.check_heldout else "tune_first_call" if args.first_call else "tune"
+    out = args.out or Path("runs") / f"{study}-{_autotune.gpu_file_name()}.json"
+    try:
+        if args.check_heldout or args.first_call:
+            run = checks.check_heldout if args.check_heldout else checks.first_call
+            kwargs = {"rounds": args.rounds} if args.check_heldout else {}
+            results = run(problems, options, args.configs_dir, **kwargs)
+            print(f"saved {results.save(out)}")
+            return 0
+        try:
+            outcome = sweep(problems, out, options, resume=args.resume, overwrite=args.overwrite)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: what was measured is saved in {out}; --resume continues", file=sys.stderr)
+            return 130
+        print(summary(outcome.results))
+        state = f"{outcome.left} timings left: run again with --resume" if outcome.left else "the sweep is complete"
+        print(f"{outcome.timed} configs timed; {state} ({out})")
+        if args.write_configs:
+            print(f"wrote {write_configs(outcome.results, args.configs_dir, source=out.name)}")
+        return 0
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

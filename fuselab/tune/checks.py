@@ -1,0 +1,150 @@
+"""The two targets a shipped config file is measured against, on its GPU.
+
+``check_heldout``: for shapes the sweep did not time (``grid.HELDOUT_SHAPES`` by default), the shipped
+choice against the exhaustive best. Every pruned config of each launch is timed; then the shipped config
+and the fastest are timed again, alternately, ``rounds`` times (the fastest of many noisy timings is
+flattered by its noise), and the ratio of their medians is reported: 1.00 means the shipped choice is
+the best one, the target is <= 1.05 on every shape. Study ``tune_heldout``: providers ``shipped`` and
+``exhaustive best`` (the baseline), metric ``ms``; a key with no shipped choice is listed as failed.
+
+``first_call``: a fresh Python process per case (``first_call.py``), with an empty fuselab cache, times
+its first call of the op (inputs already on the GPU, CUDA and Triton's driver initialized): twice, with an
+empty Triton cache (``cold``: what a new user's first call costs, compiling the kernel and its launcher
+included) and then with the Triton cache the first process filled (``warm``). Each reports the keys the
+tuner timed: with a shipped file that covers the shape, none. Study ``tune_first_call``, metric ``first
+call s``; target <= 0.5 s.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from fuselab.kernels import _autotune
+from fuselab.tune.grid import Problem
+from fuselab.tune.kernels import KERNELS, device
+from fuselab.tune.results import Results, environment
+from fuselab.tune.sweep import Options, SweepError, measure, plan, prepare, progress, short_name
+
+HELDOUT_TARGET = 1.05
+FIRST_CALL_TARGET_S = 0.5
+
+
+def _table(header: List[str], lines: List[list]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header)] + [fmt.format(*map(str, line)) for line in lines])
+
+
+def check_heldout(problems: List[Problem], options: Options, directory: Optional[Path] = None,
+                  rounds: int = 3) -> Results:
+    """Shipped choice vs exhaustive best per launch of each problem (module docstring); prints a table."""
+    dev = device()
+    if dev is None:
+        raise SweepError("--check-heldout needs a CUDA GPU (or the Triton interpreter)")
+    path = _autotune.shipped_configs_path(None, directory)
+    results = Results("tune_heldout")
+    results.start_run({**environment(options.commit, options.dirty), "configs_file": str(path), "rounds": rounds})
+    prepare(plan(problems, Results("tune")), options.jobs)
+    bar = progress(len(problems), "held-out", unit="problem")
+    lines = []
+    try:
+        for problem in problems:
+            entry = KERNELS[problem.kernel]
+            checked = set()  # the bwd op launches the forward again
+            with entry.context(problem):
+                for launch in entry.launches(problem, dev, torch.randn, execute=True):
+                    if (launch.kernel, launch.key) not in checked:
+                        checked.add((launch.kernel, launch.key))
+                        lines.append(_check_launch(results, problem, launch, path, options, rounds))
+            bar.update(1)
+    finally:
+        bar.close()
+    print(_table(["shape", "dtype", "layout", "product", "shipped", "exhaustive best", "shipped/best", "ok"], lines))
+    ratios = [line[6] for line in lines if isinstance(line[6], float)]
+    met = sum(r <= HELDOUT_TARGET for r in ratios)
+    print(f"within {HELDOUT_TARGET:.2f}x of the exhaustive best: {met} of {len(lines)} launches "
+          f"({len(lines) - len(ratios)} without a shipped choice)")
+    return results
+
+
+def _check_launch(results, problem, launch, path, options, rounds) -> list:
+    op = f"{launch.product} {problem.layout}"
+    key = repr(launch.key)
+    common = dict(op=op, shape=problem.shape, dtype=problem.dtype, mode=options.mode, kernel=launch.kernel, key=key)
+    results.baselines[op] = "exhaustive best"
+    times = {}
+    for config in launch.configs:
+        try:
+            times[str(config)] = measure(lambda: launch.run(config), options.mode, options.warmup_ms, options.rep_ms)[1]
+        except Exception:  # noqa: BLE001  a config that cannot run is not the best
+            times[str(config)] = float("inf")
+    by_name = {str(c): c for c in launch.configs}
+    best = min(times, key=times.get)
+    fingerprint = launch.tuner.fingerprint
+    choice = _autotune.shipped_choices(launch.kernel, fingerprint, path).get(key)
+    line = [problem.shape, problem.dtype, problem.layout, launch.product]
+    if choice not in by_name:
+        results.fail(**common, provider="shipped", error=f"no shipped choice for this key in {path}")
+        return line + ["-", short_name(by_name[best]), "-", "no shipped choice"]
+    samples = {choice: [], best: []}
+    for _ in range(rounds if choice != best else 1):  # alternately: drifting clocks hit both alike
+        for name in samples:
+            samples[name].append(measure(lambda: launch.run(by_name[name]), options.mode, options.warmup_ms,
+                                         options.rep_ms)[1])
+    for provider, name in (("shipped", choice), ("exhaustive best", best)):
+        s = sorted(samples[name])
+        results.record(**common, provider=provider, metric="ms", value=(s[0], statistics.median(s), s[-1]),
+                       config=name)
+    ratio = statistics.median(samples[choice]) / statistics.median(samples[best])
+    return line + [short_name(by_name[choice]), short_name(by_name[best]), round(ratio, 3),
+                   "yes" if ratio <= HELDOUT_TARGET else "NO"]
+
+
+def first_call(problems: List[Problem], options: Options, directory: Optional[Path] = None,
+               timeout_s: float = 600) -> Results:
+    """Each problem's ops, first call in a fresh process, cold then warm Triton cache (module docstring)."""
+    if device() is None:
+        raise SweepError("--first-call needs a CUDA GPU (or --dry-run, the Triton interpreter: the machinery only)")
+    results = Results("tune_first_call")
+    results.start_run({**environment(options.commit, options.dirty),
+                       "configs_file": str(_autotune.shipped_configs_path(None, directory))})
+    cases = [(p, op) for p in problems for op in p.ops]
+    bar = progress(2 * len(cases), "first calls", unit="process")
+    lines = []
+    try:
+        for problem, op in cases:
+            with tempfile.TemporaryDirectory(prefix="fuselab-first-call-") as tmp:
+                env = dict(os.environ, FUSELAB_CACHE_DIR=str(Path(tmp) / "fuselab"),
+                           TRITON_CACHE_DIR=str(Path(tmp) / "triton"))
+                spec = {"kernel": problem.kernel, "M": problem.M, "N": problem.N, "K": problem.K,
+                        "dtype": problem.dtype, "layout": problem.layout, "op": op,
+                        "configs_dir": str(directory) if directory else None}
+                line = [problem.shape, problem.dtype, problem.layout, op]
+                for provider in ("cold Triton cache", "warm Triton cache"):
+                    common = dict(op=op, provider=provider, shape=problem.shape, dtype=problem.dtype,
+                                  mode=options.mode)
+                    run = subprocess.run([sys.executable, "-m", "fuselab.tune.first_call", json.dumps(spec)], env=env,
+                                         capture_output=True, text=True, timeout=timeout_s)
+                    bar.update(1)
+                    try:
+                        out = json.loads(run.stdout.strip().splitlines()[-1])
+                    except (ValueError, IndexError):
+                        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+                        results.fail(**common, error=f"exit status {run.returncode}: {tail}")
+                        line += ["failed", "-"]
+                        continue
+                    results.record(**common, metric="first call s", value=(out["seconds"],) * 3, layout=problem.layout,
+                                   tunings=out["tunings"], configs=out["configs"])
+                    line += [f"{out['seconds']:.3f}", len(out["tunings"])]
+                lines.append(line)
+    finally:
+        bar.close()
+    print(_table(["shape", "dtype", "layout", "op", "cold s", "keys tuned", "warm s", "keys tuned"], lines))
+    print(f"target: <= {FIRST_CALL_TARGET_S} s and no key tuned (the shipped file covers the shape)")
+    return results

@@ -1,0 +1,366 @@
+"""fuselab.tune (the sweep, its configs files, the checks, the plots) and the runtime's use of shipped configs.
+
+Everything runs in the Triton interpreter (conftest), where ``--dry-run`` sweeps the tiny grid in seconds.
+Shipped config files are written into temporary folders (``--configs-dir`` / ``SHIPPED_CONFIGS_DIR``),
+never into the package.
+"""
+import importlib
+import json
+import logging
+import re
+import shutil
+
+import pytest
+import torch
+
+from fuselab import settings
+from fuselab.kernels import _autotune
+from fuselab.kernels._autotune import bucket
+from fuselab.tune import grid, sweep
+from fuselab.tune.__main__ import main
+from fuselab.tune.kernels import KERNELS
+from fuselab.tune.results import ROW_KEYS, Results
+
+MR = importlib.import_module("fuselab.kernels.matmul_relu")  # the module; fuselab.kernels.matmul_relu is the function
+ENTRY = KERNELS["matmul_relu"]
+TINY = grid.load("tiny", KERNELS)
+
+
+def _dry_run(tmp_path, *extra):
+    out, configs = tmp_path / "tune.json", tmp_path / "configs"
+    assert main(["--dry-run", "--out", str(out), "--write-configs", "--configs-dir", str(configs), *extra]) == 0
+    return out, configs
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """One dry-run of the tiny grid: (results file, configs folder); tests copy before changing them."""
+    return _dry_run(tmp_path_factory.mktemp("swept"))
+
+
+@pytest.fixture
+def fresh_tuner(monkeypatch):
+    """A new tuner for the fused GEMM (an empty in-memory cache, as in a new process), used by its op."""
+    kernel = MR.matmul_relu_kernel
+    configs, key, prune = kernel._tuned_over
+    tuner = _autotune.PersistentAutotuner(kernel.fn, configs, key, prune, kernel.heuristic)
+    monkeypatch.setattr(MR, "matmul_relu_kernel", tuner)
+    return tuner
+
+
+@pytest.fixture
+def empty_cache(tmp_path, env):
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "user-cache"))
+    settings.reload()
+    return tmp_path / "user-cache"
+
+
+def _count_timings(tuner):
+    timed = []
+    run_config = tuner._bench
+
+    def bench(*args, config, **meta):
+        timed.append(config)
+        return run_config(*args, config=config, **meta)
+
+    tuner._bench = bench
+    return timed
+
+
+def _run_tiny_ops():
+    for problem in TINY:
+        for op in problem.ops:
+            ENTRY.call(op, ENTRY.inputs(problem, "cpu", torch.randn, requires_grad=op == "bwd"))
+
+
+def _tuning_records(caplog):
+    return [r for r in caplog.records if r.name == "fuselab.autotune" and "tuning" in r.getMessage()]
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+# ----------------------------------------------------------------------------------------------
+
+
+def test_dry_run_writes_results_and_configs(swept):
+    out, configs = swept
+    results = Results.load(out)
+    assert results.study == "tune"
+    rows = results.rows
+    timed = [r for r in rows if "config" in r]
+    keys = {r["key"] for r in timed}
+    # the tiny grid: fwd, grad_a and grad_b of one problem, fwd of the other; both interpreter configs each
+    assert len(keys) == 4 and len(timed) == 8
+    assert {r["product"] for r in timed} == {"fwd", "grad_a", "grad_b"}
+    assert all(set(ROW_KEYS) <= set(r) and r["metric"] == "ms" and r["mode"] == "wall" for r in rows)
+    assert len(rows) - len(timed) == 4 and all(results.baselines[r["op"]] == r["provider"] for r in rows
+                                               if "config" not in r)
+    (run,) = results.runs.values()
+    assert run["gpu"] == "triton-interpreter" and run["fingerprints"] == {
+        "matmul_relu_kernel": MR.matmul_relu_kernel.fingerprint}
+
+    shipped = json.loads((configs / "triton-interpreter.json").read_text())
+    entry = shipped["kernels"]["matmul_relu_kernel"]
+    assert shipped["format"] == _autotune.CONFIGS_FORMAT and shipped["gpu"] == "triton-interpreter"
+    assert entry["fingerprint"] == MR.matmul_relu_kernel.fingerprint
+    best = sweep.best_choices(results)["matmul_relu_kernel"]
+    assert entry["configs"] == {key: row["config"] for key, row in best.items()} and set(entry["configs"]) == keys
+    assert set(entry["configs"].values()) <= {str(c) for c in MR.matmul_relu_kernel.configs}
+
+
+def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "tune.json"
+    measured = []
+    real_measure, real_problem = sweep.measure, sweep._time_problem
+
+    def counting(fn, *args):
+        measured.append(fn)
+        return real_measure(fn, *args)
+
+    def interrupted(problem, *args):
+        if problem != TINY[0]:
+            raise KeyboardInterrupt  # as a timeout's SIGTERM would, during the second problem
+        return real_problem(problem, *args)
+
+    monkeypatch.setattr(sweep, "measure", counting)
+    monkeypatch.setattr(sweep, "_time_problem", interrupted)
+    assert main(["--dry-run", "--out", str(out)]) == 130
+    first = Results.load(out)  # saved after the first problem, whole
+    assert {r["shape"] for r in first.rows} == {TINY[0].shape} and len(measured) == 6 + 3
+
+    monkeypatch.setattr(sweep, "_time_problem", real_problem)
+    measured.clear()
+    assert main(["--dry-run", "--out", str(out)]) == 1
+    assert "--resume" in capsys.readouterr().err  # an existing file is neither extended nor lost silently
+    assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    assert len(measured) == 2 + 1, "only the second problem's configs and baseline were left"
+    assert "the sweep is complete" in capsys.readouterr().out
+
+    measured.clear()
+    assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    assert measured == []
+
+    data = json.loads(out.read_text())  # drop one key's timings: a resume times exactly those again
+    key = next(r["key"] for r in data["rows"] if r.get("product") == "grad_b")
+    data["rows"] = [r for r in data["rows"] if not (r.get("key") == key and "config" in r)]
+    out.write_text(json.dumps(data))
+    assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    assert len(measured) == 2
+    assert len(Results.load(out).runs) == 4
+
+
+def test_budget_stops_and_resume_finishes(tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    assert main(["--dry-run", "--out", str(out), "--budget-min", "0.0001"]) == 0  # spent while planning
+    assert "12 timings left: run again with --resume" in capsys.readouterr().out
+    assert Results.load(out).rows == []
+    assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    assert "the sweep is complete" in capsys.readouterr().out and len(Results.load(out).rows) == 12
+
+
+def test_precompile_in_a_worker_process(capsys):
+    # On a GPU the worker compiles into Triton's cache; in the interpreter "warmup" runs the kernel once,
+    # which exercises the same path: planning, grouping by kind, pickling to a spawned process.
+    planned = sweep.plan(TINY[1:], Results("tune"))
+    assert sum(len(names) for item in planned for _, names in item.kinds.values()) == 2
+    sweep.precompile(planned, jobs=1)
+    assert "did not compile" not in capsys.readouterr().err
+
+
+def test_resume_refuses_results_of_another_kernel_version(tmp_path, swept, capsys):
+    out = tmp_path / "tune.json"
+    data = json.loads(swept[0].read_text())
+    for run in data["runs"].values():
+        run["fingerprints"]["matmul_relu_kernel"] = "0" * 16
+    out.write_text(json.dumps(data))
+    assert main(["--dry-run", "--out", str(out), "--resume"]) == 1
+    assert "another version of matmul_relu_kernel" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# The runtime and shipped files
+# ----------------------------------------------------------------------------------------------
+
+
+def _ship_second_configs(swept, tmp_path, **changes):
+    """The dry-run's configs file, copied to ``tmp_path/configs``, every key choosing the configs' second
+    (the constant-clock tuner would keep the first), and ``changes`` applied to the file."""
+    configs = tmp_path / "configs"
+    shutil.copytree(swept[1], configs)
+    path = configs / "triton-interpreter.json"
+    data = json.loads(path.read_text())
+    entry = data["kernels"]["matmul_relu_kernel"]
+    second = str(MR.matmul_relu_kernel.configs[1])
+    entry["configs"] = {key: second for key in entry["configs"]}
+    entry.update(changes.pop("entry", {}))
+    data.update(changes)
+    path.write_text(json.dumps(data))
+    return configs, second
+
+
+def test_shipped_configs_are_used_without_timing(swept, tmp_path, monkeypatch, fresh_tuner, empty_cache, caplog):
+    configs, second = _ship_second_configs(swept, tmp_path)
+    monkeypatch.setattr(_autotune, "SHIPPED_CONFIGS_DIR", configs)
+    fresh_tuner._bench = lambda *args, **kwargs: pytest.fail("a shipped key was timed")
+    with caplog.at_level(logging.INFO, logger="fuselab.autotune"):
+        _run_tiny_ops()
+    assert len(fresh_tuner.cache) == 4 and {str(c) for c in fresh_tuner.cache.values()} == {second}
+    assert _tuning_records(caplog) == []
+    assert not empty_cache.exists(), "nothing was timed, so nothing is stored in the user's cache"
+
+
+def test_a_key_missing_from_the_shipped_file_is_tuned(swept, tmp_path, monkeypatch, fresh_tuner, empty_cache):
+    configs, _ = _ship_second_configs(swept, tmp_path)
+    monkeypatch.setattr(_autotune, "SHIPPED_CONFIGS_DIR", configs)
+    timed = _count_timings(fresh_tuner)
+    problem = grid.Problem("matmul_relu", 200, 48, 32, "bf16", "linear", ("fwd",))  # M~256: not in the tiny grid
+    ENTRY.call("fwd", ENTRY.inputs(problem, "cpu", torch.randn))
+    assert len(timed) == 2 and list(empty_cache.rglob("*.json"))
+
+
+@pytest.mark.parametrize("stale", ["fingerprint", "triton"])
+def test_stale_shipped_file_is_ignored_with_one_warning(swept, tmp_path, monkeypatch, fresh_tuner, empty_cache,
+                                                        stale):
+    change = {"entry": {"fingerprint": "0" * 16}} if stale == "fingerprint" else {"triton": "0.0.1"}
+    configs, second = _ship_second_configs(swept, tmp_path, **change)
+    monkeypatch.setattr(_autotune, "SHIPPED_CONFIGS_DIR", configs)
+    timed = _count_timings(fresh_tuner)
+    with pytest.warns(RuntimeWarning) as caught:
+        _run_tiny_ops()
+    messages = [str(w.message) for w in caught if "fuselab: ignoring" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert str(configs / "triton-interpreter.json") in messages[0]
+    assert ("another version of the kernel" if stale == "fingerprint" else "triton 0.0.1") in messages[0]
+    assert len(timed) == 8 and second not in {str(c) for c in fresh_tuner.cache.values()}
+
+
+def test_tuning_says_so_once_per_key(tmp_path, monkeypatch, fresh_tuner, empty_cache, caplog):
+    monkeypatch.setattr(_autotune, "SHIPPED_CONFIGS_DIR", tmp_path / "no-configs")
+    problems = [grid.Problem("matmul_relu", m, 48, 32, "bf16", "matmul", ("fwd",)) for m in (64, 50, 100)]
+    with caplog.at_level(logging.WARNING, logger="fuselab.autotune"):
+        for problem in problems + problems:  # 64 and 50 share a bucket: two keys, each announced once
+            ENTRY.call("fwd", ENTRY.inputs(problem, "cpu", torch.randn))
+    messages = [r.getMessage() for r in _tuning_records(caplog)]
+    assert len(messages) == 2 and all(r.levelno == logging.WARNING for r in _tuning_records(caplog))
+    for m, message in zip((64, 128), messages):
+        assert re.fullmatch(rf"fuselab: tuning matmul_relu_kernel bf16 M~{m} N~64 K~32 A_ROW_MAJOR B_ROW_MAJOR "
+                            r"HAS_BIAS: 2 configs, once per GPU \(cached in .+\)", message), message
+        assert str(_autotune.cache_dir()) in message and "\n" not in message
+
+    caplog.clear()  # a new process: the user's cache answers, nothing is said
+    configs, key, prune = fresh_tuner._tuned_over
+    monkeypatch.setattr(MR, "matmul_relu_kernel", _autotune.PersistentAutotuner(
+        fresh_tuner.fn, configs, key, prune, fresh_tuner.heuristic))
+    with caplog.at_level(logging.WARNING, logger="fuselab.autotune"):
+        ENTRY.call("fwd", ENTRY.inputs(problems[0], "cpu", torch.randn))
+    assert _tuning_records(caplog) == []
+
+
+def test_describe_key():
+    names = ["M_BUCKET", "N_BUCKET", "TMA_OK", "HAS_BIAS", "SPLIT"]
+    key = (8192, 1024, True, False, 3, "torch.bfloat16", "torch.bfloat16")
+    assert _autotune.describe_key(names, key) == "bf16 M~8192 N~1024 TMA_OK SPLIT=3"
+
+
+def test_writing_configs_merges_same_version_and_drops_others(tmp_path):
+    path = tmp_path / "GPU.json"
+    _autotune.write_shipped_configs(path, "GPU", {"k": ("fp1", {"(1,)": "a", "(2,)": "b"})})
+    _autotune.write_shipped_configs(path, "GPU", {"k": ("fp1", {"(2,)": "c"})})
+    assert _autotune.shipped_choices("k", "fp1", path) == {"(1,)": "a", "(2,)": "c"}
+    _autotune.write_shipped_configs(path, "GPU", {"k": ("fp2", {"(3,)": "d"})})
+    assert _autotune.shipped_choices("k", "fp2", path) == {"(3,)": "d"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Grids, checks, plots, the command line
+# ----------------------------------------------------------------------------------------------
+
+
+def _buckets(shape):
+    return tuple(bucket(v) for v in shape)
+
+
+def test_default_grid_covers_the_benchmark_and_the_heldout_buckets():
+    problems = grid.load("default", KERNELS)
+    assert len(problems) == len(set(problems))
+    covered = {(p.shape, p.dtype, p.layout, op) for p in problems for op in p.ops}
+    for m, n, k in grid.BENCHMARK_SHAPES:
+        for dtype in ("bf16", "fp16"):
+            assert {(f"{m}x{n}x{k}", dtype, "matmul", op) for op in ("fwd", "fwd-nobias")} <= covered
+    swept = {(m, n, k) for b in grid.GRIDS.values() for block in b for m, n, k in grid._sizes(block, "")}
+    core = {_buckets((p.M, p.N, p.K)) for p in problems if {"fwd", "bwd"} <= set(p.ops) and p.dtype == "bf16"}
+    for shape in grid.HELDOUT_SHAPES:
+        assert shape not in swept and _buckets(shape) in core and all(v % 16 == 0 for v in shape)
+
+
+def test_check_heldout_dry_run(swept, tmp_path, capsys):
+    out = tmp_path / "heldout.json"
+    args = ["--check-heldout", "--dry-run", "--shapes", "50x40x30", "--layouts", "linear", "--ops", "fwd,bwd",
+            "--rounds", "1", "--configs-dir", str(swept[1]), "--out", str(out)]
+    assert main(args) == 0
+    results = Results.load(out)
+    assert not results.failed, results.failed  # 50x40x30 falls in the tiny grid's buckets: all shipped
+    assert {(r["op"], r["provider"]) for r in results.rows} == {
+        (f"{p} linear", who) for p in ("fwd", "grad_a", "grad_b") for who in ("shipped", "exhaustive best")}
+    assert "shipped/best" in capsys.readouterr().out
+
+
+def test_first_call_dry_run(swept, tmp_path, capsys):
+    # Two fresh processes (cold, then warm Triton cache) in the interpreter: the shipped file answers the key.
+    configs, second = _ship_second_configs(swept, tmp_path)
+    out = tmp_path / "first.json"
+    assert main(["--first-call", "--dry-run", "--shapes", "64x48x32", "--layouts", "linear",
+                 "--configs-dir", str(configs), "--out", str(out)]) == 0
+    results = Results.load(out)
+    assert not results.failed, results.failed
+    assert [r["provider"] for r in results.rows] == ["cold Triton cache", "warm Triton cache"]
+    assert all(r["tunings"] == [] and r["configs"] == [second] and r["p50"] > 0 for r in results.rows)
+    assert "keys tuned" in capsys.readouterr().out
+
+
+def test_plots_from_the_sweep(swept, tmp_path):
+    pytest.importorskip("matplotlib")
+    assert main(["--plot", str(swept[0]), "--plot-dir", str(tmp_path / "plots")]) == 0
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == sorted(f"{op}-{kind}.png" for op in ("fwd_linear", "fwd_matmul", "grad_a_linear", "grad_b_linear")
+                           for kind in ("tflops", "ratio", "tiles"))
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--grid", "nope"], "not a built-in grid"),
+    (["--budget-min", "0"], "must be > 0"),
+    (["--budget-min", "soon"], "expected a float"),
+    (["--jobs", "-1"], "must be >= 0"),
+    (["--resume", "--overwrite"], "not allowed with"),
+    (["--check-heldout", "--first-call"], "not allowed with"),
+    (["--check-heldout", "--shapes", "12x34"], "MxNxK"),
+    (["--check-heldout", "--dtypes", "fp64"], "unknown dtypes ['fp64']"),
+    (["--check-heldout", "--grid", "small"], "--grid is the sweep's"),
+    (["--check-heldout", "--write-configs"], "the sweep's"),
+    (["--shapes", "64x64x64"], "choose the checks' problems"),
+    (["--first-call", "--budget-min", "3"], "the sweep's"),
+    (["--dirty"], "give both"),
+    (["--plot", "missing.json"], "no such file"),
+])
+def test_bad_arguments_exit_with_a_clear_message(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,words", [
+    ('[{"shapes": [[1, 2]], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd"]}]', "must be [M, N, K]"),
+    ('[{"M": [64], "N": [64], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd"]}]', "no shapes and no K"),
+    ('[{"shapes": [[8, 8, 8]], "dtypes": ["bf16"], "layouts": ["diagonal"], "ops": ["fwd"]}]', "unknown layouts"),
+    ('[{"shapes": [[8, 8, 8]], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd"], "x": 1}]', "unknown keys"),
+    ('{"not": "a list"}', "non-empty list of blocks"),
+    ("[{", "is not JSON"),
+])
+def test_bad_grid_files_are_named(tmp_path, capsys, content, words):
+    path = tmp_path / "grid.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit):
+        main(["--dry-run", "--grid", str(path), "--out", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert words in err and str(path) in err

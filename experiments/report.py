@@ -127,7 +127,8 @@ SPECS: Dict[str, Spec] = {
     "cuda_tiles": Spec(
         title="CUDA C++ mma.sync kernel: build-time tile sweep",
         prose="""\
-Each tile variant of the CUDA reference's fp16/bf16 mma.sync kernel (pinned: `kernel="mma"`) is built, loaded and timed in its own process, with cuBLAS `relu(a @ b)`
+Each tile variant of the CUDA reference's fp16/bf16 mma.sync kernel (pinned: `kernel="mma"`) is built,
+loaded and timed in its own process, with cuBLAS `relu(a @ b)`
 timed in the same process as the baseline: bf16, 4096^3 with bias, B row-major and B = `weight.t()`.
 Cells are `do_bench` medians (eager mode).""",
         command="python -m experiments.sweep_cuda_tiles --results",

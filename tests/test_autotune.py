@@ -200,7 +200,7 @@ def test_autotune_fast_path_matches_triton_key(device, monkeypatch):
     # After tuning, launches skip Autotuner.run: its key must be exactly the one Autotuner.run stores.
     from triton.runtime.autotuner import Autotuner
 
-    from fuselab.kernels.matmul_relu import matmul_relu_kernel
+    from fuselab.kernels.matmul_relu_triton import matmul_relu_kernel
 
     a, b = torch.randn(33, 20, device=device), torch.randn(20, 18, device=device)
     first = matmul_relu(a, b)

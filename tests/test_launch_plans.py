@@ -16,7 +16,7 @@ import triton
 from reference import check_forward_backward, randn
 
 runtime = importlib.import_module("fuselab.kernels._runtime")
-matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu")  # the package re-exports the function
+matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
 
 ARG_NAMES = ["x_ptr", "y_ptr", "n", "FLAG", "BLOCK"]
 

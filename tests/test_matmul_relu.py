@@ -1,4 +1,4 @@
-"""fuselab.kernels.matmul_relu: values, gradients (higher-order and forward-mode too), registration,
+"""fuselab.kernels.matmul_relu_triton (the fused op): values, gradients (higher-order and forward-mode too), registration,
 errors. Autotuning and launch plans are tested in test_autotune.py and test_launch_plans.py.
 
 On a CPU the Triton kernels run in the interpreter (conftest); on a GPU run `pytest -m gpu`.
@@ -7,12 +7,12 @@ import importlib
 
 import pytest
 import torch
+from reference import BIAS_LAYOUTS, DEVICES, DTYPES, check_forward_backward, rand_bias, randn
 
 import fuselab
 from fuselab.kernels import linear_relu, matmul_relu
-from reference import BIAS_LAYOUTS, DEVICES, DTYPES, check_forward_backward, rand_bias, randn
 
-matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu")  # the package re-exports the function
+matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
 
 SHAPES = [(37, 53, 29), (1, 19, 33), (65, 8, 70)]  # (M, K, N): odd, a row of 1, a short K
 

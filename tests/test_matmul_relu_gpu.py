@@ -2,10 +2,10 @@
 CUDA graphs, and inductor (dynamic shapes, reduce-overhead). Run with `pytest -m gpu`."""
 import pytest
 import torch
+from reference import assert_close, check_forward_backward, dot_bound, rand_bias, randn
 
 from fuselab.kernels import matmul_relu
-from fuselab.kernels.matmul_relu import _gemm, gemm_configs
-from reference import assert_close, check_forward_backward, dot_bound, rand_bias, randn
+from fuselab.kernels.matmul_relu_triton import _gemm, gemm_configs
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def test_every_config_backward_products(dtype):
         out = torch.full((N, K), float("nan"), dtype=dtype, device="cuda")
         rowsum = torch.full((N,), float("nan"), dtype=dtype, device="cuda")
         try:
-            _gemm(g.t(), a, out, mask=y.t(), rowsum=rowsum, config=config)
+            _gemm(g.t(), a, out, y=y.t(), rowsum=rowsum, config=config)
         except Exception as e:
             if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
                 continue

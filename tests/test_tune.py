@@ -21,7 +21,7 @@ from fuselab.tune.__main__ import main
 from fuselab.tune.kernels import KERNELS
 from fuselab.tune.results import ROW_KEYS, Results
 
-MR = importlib.import_module("fuselab.kernels.matmul_relu")  # the module; fuselab.kernels.matmul_relu is the function
+MR = importlib.import_module("fuselab.kernels.matmul_relu_triton")
 ENTRY = KERNELS["matmul_relu"]
 TINY = grid.load("tiny", KERNELS)
 

@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import torch
 
 from fuselab import settings
-from fuselab.kernels.matmul_relu import _backward, _forward_fake, _setup_context
+from fuselab.kernels.matmul_relu_triton import _backward, _forward_fake, _setup_context
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "matmul_relu.cu"
 

@@ -131,7 +131,7 @@ def _fused_layer(layer):
     return cls.from_linear if cls is FusedLinearReLU else cls.from_conv1d
 
 
-def _why_not_swapped(module: nn.Module) -> Optional[str]:
+def why_not_swapped(module: nn.Module) -> Optional[str]:
     """Why replacing ``module`` (a layer, or its ReLU) by a fused one could change the model; None
     where it cannot."""
     if _sharded(module):  # converted in place: its state-dict hooks (FSDP's) stay, and run as before
@@ -155,12 +155,12 @@ def _why_not_fusable(layer: nn.Module, act: Optional[nn.Module]) -> Optional[str
     fused layer; None where it may."""
     if isinstance(layer, _FUSED_LAYERS):
         return "already fused"
-    why = _why_not_swapped(layer)
+    why = why_not_swapped(layer)
     if why is None and _fused_layer(layer) is None:
         cls = type(layer)
         why = f"a {cls.__module__}.{cls.__qualname__}, not exactly an nn.Linear (its forward may differ)"
-    if why is None and act is not None and _why_not_swapped(act) is not None:
-        why = f"its ReLU {_why_not_swapped(act)}"
+    if why is None and act is not None and why_not_swapped(act) is not None:
+        why = f"its ReLU {why_not_swapped(act)}"
     return why or why_not_fused(None, layer.weight, layer.bias, linear=type(layer) is nn.Linear)
 
 
@@ -414,7 +414,7 @@ def _fused_function(gm, node):
 
 def _relu_module_hazard(gm, relu) -> Optional[str]:
     """For a ReLU module's node, why dropping the module could change the model (hooks, say)."""
-    why = _why_not_swapped(gm.get_submodule(relu.target)) if relu.op == "call_module" else None
+    why = why_not_swapped(gm.get_submodule(relu.target)) if relu.op == "call_module" else None
     return None if why is None else f"its ReLU {why}"
 
 

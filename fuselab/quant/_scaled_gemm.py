@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
+from fuselab.kernels._gemm_tiles import needs_int64, tile_coords
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -28,7 +29,6 @@ from fuselab.kernels._runtime import (
     max_shared_memory,
     untraced,
 )
-from fuselab.kernels.matmul_relu import _needs_int64, _tile_coords
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs
@@ -92,7 +92,7 @@ def scaled_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C = epilogue(A @ B); see the module docstring."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -192,7 +192,7 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
            *scale_strides, bias.stride(0) if bias is not None else 0,
            bucket(M), bucket(N), bucket(K), int(a.stride(1) == 1), int(b.stride(1) == 1),
            INT8=a.dtype == torch.int8, SCALED=a_scale is not None, HAS_BIAS=bias is not None, RELU=relu,
-           INT64=_needs_int64(a, b, c, a_scale, b_scale, bias), plan_key=plan_key, **meta)
+           INT64=needs_int64(a, b, c, a_scale, b_scale, bias), plan_key=plan_key, **meta)
 
 
 # ----------------------------------------------------------------------------------------------

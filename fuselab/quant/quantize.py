@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.nn.fuse import _why_not_swapped
+from fuselab.nn.fuse import why_not_swapped
 from fuselab.nn.linear_relu import FusedLinearReLU
 from fuselab.quant.config import (
     Float8RowwiseConfig,
@@ -224,7 +224,7 @@ def _why_not_quantized(layer: nn.Linear) -> Optional[str]:
         cls = type(layer)
         return (f"a {cls.__module__}.{cls.__qualname__}, not exactly nn.Linear or FusedLinearReLU "
                 "(its forward may differ)")
-    why = _why_not_swapped(layer)
+    why = why_not_swapped(layer)
     if why is not None:
         return why
     weight = layer.weight

@@ -117,11 +117,11 @@ class MatmulReLU:
     layouts = {"linear": "b = weight.t(), weight (N, K) row-major, as nn.Linear and linear_relu",
                "matmul": "b (K, N) row-major, as experiments/bench_matmul_relu.py"}
     baselines = {"fwd": "cuBLASLt", "fwd-nobias": "cuBLASLt", "grad_a": "cuBLAS", "grad_b": "cuBLAS"}
-    _products = {"_grad_a": "grad_a", "_grad_b": "grad_b"}  # the backward's functions in matmul_relu.py
+    _products = {"_grad_a": "grad_a", "_grad_b": "grad_b"}  # the backward's functions in matmul_relu_triton.py
 
     def tuner(self):
         # Looked up at each use: tests swap in a fresh tuner.
-        return importlib.import_module("fuselab.kernels.matmul_relu").matmul_relu_kernel
+        return importlib.import_module("fuselab.kernels.matmul_relu_triton").matmul_relu_kernel
 
     @contextlib.contextmanager
     def context(self, problem: Problem):

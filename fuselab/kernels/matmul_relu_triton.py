@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
+from fuselab.kernels._gemm_tiles import needs_int64, tile_coords
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -112,7 +113,7 @@ _INTERPRETED_BF16_DOT_IN_FP32 = tl.constexpr(INTERPRET)
                "HAS_BIAS", "MASK_A", "ROWSUM_A"])
 @triton.jit
 def matmul_relu_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, mask_ptr, rowsum_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk, stride_bias,
     M_BUCKET, N_BUCKET, K_BUCKET,  # autotune keys only
@@ -129,8 +130,8 @@ def matmul_relu_kernel(
                              A_ROW_MAJOR, B_ROW_MAJOR, INT64, PRECISION, NUM_SMS, BLOCK_M, BLOCK_N,
                              BLOCK_K, GROUP_M, EPILOGUE_SUBTILE)
     else:
-        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, mask_ptr, rowsum_ptr, M, N, K, stride_am,
+        pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr, M, N, K, stride_am,
                    stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_ym, stride_yk,
                    stride_bias, pid_m, pid_n, HAS_BIAS, RELU, MASK_A, ROWSUM_A, INT64, PRECISION,
                    BLOCK_M, BLOCK_N, BLOCK_K)
@@ -139,20 +140,6 @@ def matmul_relu_kernel(
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 GROUP_M: tl.constexpr):
-    # Grouped order: GROUP_M row-blocks sweep the columns together, so B tiles stay in L2.
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (tile_id // width) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % width) % group_size
-    pid_n = (tile_id % width) // group_size
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -235,7 +222,7 @@ def _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stri
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -268,12 +255,6 @@ def _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stri
 # ----------------------------------------------------------------------------------------------
 
 
-def _needs_int64(*tensors: Optional[torch.Tensor]) -> bool:
-    # Largest element offset a program can form, with a block of slack past each edge.
-    return any(sum((s + 256) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31
-               for t in tensors if t is not None)
-
-
 def _tma_row_major(t: torch.Tensor) -> Optional[bool]:
     """True/False if ``t`` (2-D) is row-/column-major with 16-byte aligned rows and base, else None."""
     es = t.element_size()
@@ -287,21 +268,22 @@ def _tma_row_major(t: torch.Tensor) -> Optional[bool]:
     return None
 
 
-def _plan_key(a, b, c, bias, mask, rowsum, relu) -> tuple:
+def _plan_key(a, b, c, bias, y, rowsum, relu) -> tuple:
     """Everything a launch of ``_gemm`` specializes on but the data: see ``launch_planned``."""
     def layout(t):
         return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
     return (a.get_device(), relu, torch.get_float32_matmul_precision(),
-            layout(a), layout(b), layout(c), layout(bias), layout(mask), layout(rowsum))
+            layout(a), layout(b), layout(c), layout(bias), layout(y), layout(rowsum))
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-          mask: Optional[torch.Tensor] = None, rowsum: Optional[torch.Tensor] = None,
+          y: Optional[torch.Tensor] = None, rowsum: Optional[torch.Tensor] = None,
           relu: bool = False, config: Optional[triton.Config] = None) -> None:
-    """``c = [relu](where(mask <= 0, 0, a) @ b + bias)`` and ``rowsum = that left operand @ 1``.
+    """``c = [relu](where(y <= 0, 0, a) @ b + bias)`` and ``rowsum = that left operand @ 1``.
 
-    All 2-D with any strides (``mask`` shaped like ``a``); ``c`` and ``rowsum`` are written.
+    ``y`` is the forward's output (shaped like ``a``): where it is <= 0 the ReLU's gradient masks
+    ``a`` to 0 as it is loaded. All 2-D with any strides; ``c`` and ``rowsum`` are written.
     ``bias`` is 1-D with any stride (0 too). ``config`` bypasses the autotuner (tests and benchmarks
     of single configs).
     """
@@ -309,20 +291,20 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
     N = b.shape[1]
     if M == 0 or N == 0:  # nothing to multiply; a row sum over an empty C may still be due
         if rowsum is not None:
-            rowsum.copy_(_relu_grad(a, mask).sum(1, dtype=torch.float32))
+            rowsum.copy_(_relu_grad(a, y).sum(1, dtype=torch.float32))
         return
-    if bias is None and mask is None and rowsum is None and c.stride(0) == 1 and c.stride(1) != 1:
+    if bias is None and y is None and rowsum is None and c.stride(0) == 1 and c.stride(1) != 1:
         # A column-major C (e.g. the gradient of weight.t()) is computed as C^T = B^T A^T, row-major:
         # the TMA body stores row-major tiles only.
         return _gemm(b.t(), a.t(), c.t(), relu=relu, config=config)
-    tensors = [t for t in (a, b, c, bias, mask, rowsum) if t is not None]
+    tensors = [t for t in (a, b, c, bias, y, rowsum) if t is not None]
     plan_key = None
     if config is None and not INTERPRET and untraced(*tensors):  # a repeated eager call skips the rest
-        plan_key = _plan_key(a, b, c, bias, mask, rowsum, relu)
+        plan_key = _plan_key(a, b, c, bias, y, rowsum, relu)
         if launch_planned(plan_key, *tensors):
             return
     tma_ok = False
-    if has_tma(a.device) and mask is None and rowsum is None and K > 0:
+    if has_tma(a.device) and y is None and rowsum is None and K > 0:
         tma_ok = (_tma_row_major(a) is not None and _tma_row_major(b) is not None
                   and _tma_row_major(c) is True)
     precision = "tf32"
@@ -339,14 +321,14 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
         if config.kwargs["TMA"] and not tma_ok:
             raise ValueError(f"config {config} needs TMA-compatible layouts")
         kernel, meta = matmul_relu_kernel.fn, config.all_kwargs()
-    y_strides = mask.stride() if mask is not None else (0, 0)
-    launch(kernel, grid, a, b, c, bias, mask, rowsum, M, N, K,
+    y_strides = y.stride() if y is not None else (0, 0)
+    launch(kernel, grid, a, b, c, bias, y, rowsum, M, N, K,
            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
            y_strides[0], y_strides[1], bias.stride(0) if bias is not None else 0,
            bucket(M), bucket(N), bucket(K),
-           HAS_BIAS=bias is not None, RELU=relu, MASK_A=mask is not None,
+           HAS_BIAS=bias is not None, RELU=relu, MASK_A=y is not None,
            ROWSUM_A=rowsum is not None, A_ROW_MAJOR=a.stride(1) == 1,
-           B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=_needs_int64(a, b, c, mask, bias),
+           B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=needs_int64(a, b, c, y, bias),
            PRECISION=precision, NUM_SMS=sms, plan_key=plan_key, **meta)
 
 
@@ -422,7 +404,7 @@ def _refuse_forward_ad(op: str) -> None:
     if forward_ad._current_level >= 0:  # _in_dual_level(), inlined: every eager call passes here
         raise NotImplementedError(
             f"torch.ops.fuselab.{op} has no forward-mode derivative (torch.autograd.forward_ad, "
-            "torch.func.jvp/jacfwd): a custom op cannot have one. Call fuselab.kernels.matmul_relu or "
+            "torch.func.jvp/jacfwd): a custom op cannot have one. Call fuselab.kernels.matmul_relu_triton or "
             "linear_relu instead, which compute forward-mode AD with PyTorch's own ops.")
 
 
@@ -459,7 +441,7 @@ def _grad_a(grad: torch.Tensor, y: Optional[torch.Tensor], b: torch.Tensor) -> t
     if not _runs_triton(grad):
         return (_relu_grad(g2, y2) @ b.t()).view(*grad.shape[:-1], b.shape[0])
     out = _grad_a_fake(grad, y, b)
-    _gemm(g2, b.t(), _rows(out), mask=y2)
+    _gemm(g2, b.t(), _rows(out), y=y2)
     return out
 
 
@@ -475,7 +457,7 @@ def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
     g2, a2 = _rows(grad), _rows(a)
     y2 = None if y is None else _rows(y)
     if _runs_triton(grad) and y2 is not None:  # as dB^T = G^T @ A: the masked operand is the left one
-        _gemm(g2.t(), a2, grad_b.t(), mask=y2.t(), rowsum=grad_bias)
+        _gemm(g2.t(), a2, grad_b.t(), y=y2.t(), rowsum=grad_bias)
         return grad_b, grad_bias
     g = _relu_grad(g2, y2)
     if _runs_triton(grad):

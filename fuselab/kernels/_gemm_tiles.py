@@ -1,0 +1,26 @@
+"""What every fuselab GEMM kernel shares: the grouped tile order and the 64-bit offset check."""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row-blocks sweep the columns together, so B tiles stay in L2.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (tile_id // width) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % width) % group_size
+    pid_n = (tile_id % width) // group_size
+    return pid_m, pid_n
+
+
+def needs_int64(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a program's element offsets into any of ``tensors`` can pass 2**31 (a block of slack
+    past each edge): the kernel then computes them in 64 bits."""
+    return any(sum((s + 256) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31
+               for t in tensors if t is not None)

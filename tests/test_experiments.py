@@ -1,4 +1,5 @@
 """The experiment harness, the scripts' command lines and outputs, and the report, on a CPU."""
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -7,7 +8,16 @@ from unittest import mock
 import pytest
 import torch
 
-from experiments import bench_matmul_relu, compile_speedup, harness, host_overhead, report, sweep_cuda_tiles, train_mlp
+from experiments import (
+    bench_matmul_relu,
+    compile_speedup,
+    harness,
+    host_overhead,
+    model_eager,
+    report,
+    sweep_cuda_tiles,
+    train_mlp,
+)
 from experiments import data as datasets
 from experiments.harness import Providers, Results, Timing
 
@@ -297,6 +307,21 @@ def test_quickstart_checks_against_float64(capsys, outdirs):
 def run_compile(tmp_path, plan, *extra):
     return compile_speedup.main(["--tiny", "--device", "cpu", "--plan", plan, "--warmup", "0", "--iters", "1",
                                  "--out", str(tmp_path / "cs.json"), *extra])
+
+
+def test_model_eager_times_stock_and_patched_decoders(tmp_path, monkeypatch):
+    # Every configuration is timed (wall and host) before any diagnosis, with the stock decoder as the baseline.
+    # The fused op's PyTorch bodies: this checks the study's machinery, not the kernel (the interpreter is slow).
+    monkeypatch.setattr(importlib.import_module("fuselab.kernels.matmul_relu_triton"), "_runs_triton", lambda t: False)
+    res = model_eager.main(["--sizes", "tiny", "--tokens", "1x8", "--device", "cpu", "--iters", "2", "--warmup", "0",
+                            "--passes", "2", "--out", str(tmp_path / "me.json")])
+    assert res.baselines == {"infer": "stock", "train": "stock"}
+    for task in ("infer", "train"):
+        for variant in ("stock", "fuselab"):
+            row = res.select(op=task, provider=variant, metric="ms")
+            assert len(row) == 1 and row[0]["passes"] == 2 and row[0]["p50"] > 0
+            assert res.value(op=task, provider=variant, metric="host ms") > 0
+    assert Results.load(tmp_path / "me.json").to_json() == res.to_json()
 
 
 @pytest.mark.slow

@@ -43,3 +43,59 @@ def opt_decoder(size: str, variant: str = "stock", device="cuda", dtype=None) ->
         for layer in model.model.decoder.layers:
             layer.activation_fn = torch.nn.Identity()
     return model, cfg.vocab_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Image classifiers for 28x28 grayscale (Fashion-MNIST): the distillation study's teacher and students
+# ----------------------------------------------------------------------------------------------
+
+RESNETS = {"resnet18": ("BasicBlock", (2, 2, 2, 2)), "resnet50": ("Bottleneck", (3, 4, 6, 3))}
+
+
+def resnet_28x28(arch: str = "resnet18", width: int = 64, blocks=None, num_classes: int = 10,
+                 in_channels: int = 1) -> torch.nn.Module:
+    """torchvision's ResNet (``arch`` ``resnet18`` or ``resnet50``) for 28x28 grayscale images:
+    ``in_channels`` input channels, a 3x3 stride-1 stem and no max-pool (the four stages then run at
+    28, 14, 7 and 4 pixels). ``width`` 64 and ``blocks`` None give torchvision's stages, blocks and
+    initialisation unchanged; a smaller ``width`` (the stem's channels; every stage scales with it)
+    or fewer ``blocks`` per stage make the tiny models of smoke tests."""
+    from torch import nn
+    from torchvision.models import resnet as tv
+
+    if arch not in RESNETS:
+        raise ValueError(f"unknown arch {arch!r}; known: {list(RESNETS)}")
+    if width < 1 or width % 8:
+        raise ValueError(f"width must be a positive multiple of 8, got {width}")
+    block_name, default_blocks = RESNETS[arch]
+    block = getattr(tv, block_name)
+    blocks = list(default_blocks if blocks is None else blocks)
+
+    class ResNet28(tv.ResNet):
+        def __init__(self):
+            self._width = width  # read by _make_layer during ResNet.__init__
+            super().__init__(block, blocks, num_classes=num_classes)
+
+        def _make_layer(self, block, planes, n, stride=1, dilate=False):
+            if planes == 64:  # the first stage takes the stem's channels
+                self.inplanes = self._width
+            return super()._make_layer(block, planes * self._width // 64, n, stride, dilate)
+
+    model = ResNet28()
+    model.conv1 = nn.Conv2d(in_channels, width, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    model.bn1 = nn.BatchNorm2d(width)
+    model.maxpool = nn.Identity()
+    if width != 64:
+        model.fc = nn.Linear(8 * width * block.expansion, num_classes)
+    return model
+
+
+def small_cnn(width: int = 32, hidden: int = 128, num_classes: int = 10, in_channels: int = 1) -> torch.nn.Module:
+    """Two conv-BN-ReLU-max-pool stages (``width``, ``2 * width`` channels; 28 -> 14 -> 7 pixels),
+    then Linear -> ReLU -> Linear: a small student whose parameters are mostly in its first Linear."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(2 * width * 7 * 7, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))

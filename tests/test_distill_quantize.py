@@ -107,6 +107,23 @@ def test_tiny_run_end_to_end_then_load_students(fake_fmnist, sandbox, monkeypatc
     assert teacher_lat[0]["weights"] == "trained"
 
 
+@pytest.mark.gpu
+def test_tiny_run_on_a_gpu(fake_fmnist, sandbox):
+    """The GPU path before a real run: training under autocast in channels_last, fuselab's INT8 (and,
+    on sm_89+, FP8) students, latency eager and from a CUDA graph; nothing may fail."""
+    out = sandbox / "dq.json"
+    dq.main(["--tiny", "--device", "cuda", "--data", str(fake_fmnist), "--out", str(out)])
+    res = Results.load(out)
+    assert not res.failed, res.failed
+    kinds = ["int8 dynamic", "int8 static"] + (["fp8"] if torch.cuda.get_device_capability() >= (8, 9) else [])
+    for arch in ("resnet18", "cnn"):
+        for prov in [f"distilled {arch}"] + [f"distilled {arch} {k} (gpu)" for k in kinds]:
+            assert res.select(op="accuracy", provider=prov, shape="seed 1")
+            for mode in ("eager", "graph"):
+                assert res.select(op=f"gpu latency: {arch}", provider=prov, shape="batch 64", mode=mode)
+    assert res.select(op="gpu latency: teacher", provider="teacher", mode="graph")
+
+
 def test_pt2e_int8_students_run_at_every_batch_size():
     """The CPU INT8 route (torchao's pt2e through fuselab.quant) on the tiny students: torchvision's
     ResNet blocks, any batch size after calibrating on another, accuracy close to fp32's."""

@@ -44,8 +44,12 @@ def quantize_pt2e_x86(model: nn.Module, example_inputs: Tuple, loader: Iterable,
         raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
     training = model.training
     model.eval()
+    # The batch dimension stays dynamic (the graph runs at any batch size); strict tracing gives a module
+    # called twice (torchvision's BasicBlock ReLU) one node per call, which the quantizer's partitions need.
+    batch = torch.export.Dim("batch")
+    dynamic = tuple({0: batch} if isinstance(t, torch.Tensor) and t.dim() else None for t in example_inputs)
     try:
-        graph = torch.export.export(model, tuple(example_inputs)).module()
+        graph = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=True).module()
     finally:
         model.train(training)
     quantizer = X86InductorQuantizer()

@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import subprocess
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
+
+from fuselab._io import non_negative_int, positive_float, positive_int, write_json_atomic  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"  # committed: written only when asked (--results)
@@ -401,54 +402,13 @@ class Results:
             runs = {k: v for k, v in old.runs.items() if any(r["run"] == k for r in kept + kept_failed)}
             out = Results(self.study, {**runs, **self.runs}, kept + self.rows, {**old.baselines, **self.baselines},
                           kept_failed + self.failed)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(out.to_json(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json_atomic(path, out.to_json())
         return path
 
 
 # ----------------------------------------------------------------------------------------------
-# Command lines
+# Command lines (the argparse types positive_int, positive_float, non_negative_int: fuselab._io's)
 # ----------------------------------------------------------------------------------------------
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1, else a usage error that names the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0, else a usage error that names the value."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0, else a usage error that names the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:

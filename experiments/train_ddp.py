@@ -41,25 +41,6 @@ ARCHS = ("resnet18", "resnet34", "resnet50")
 log = logging.getLogger("fuselab.train_ddp")
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=harness.positive_int, default=None,
                    help="stop after this many optimizer steps in all (default: --epochs full epochs)")
     p.add_argument("--batch", type=harness.positive_int, default=256, help="images per rank per step")
-    p.add_argument("--lr", type=positive_float, default=0.1, help="learning rate of one rank; x world size")
+    p.add_argument("--lr", type=harness.positive_float, default=0.1, help="learning rate of one rank; x world size")
     p.add_argument("--warmup-epochs", type=float, default=0.5)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=5e-4)
@@ -85,14 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 autocast on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model (DDPOptimizer)")
     p.add_argument("--checkpoint-dir", type=Path, default=None)
-    p.add_argument("--checkpoint-every", type=non_negative_int, default=0,
+    p.add_argument("--checkpoint-every", type=harness.non_negative_int, default=0,
                    help="steps between saves (0: at each epoch's end only)")
     p.add_argument("--keep", type=harness.positive_int, default=3)
     p.add_argument("--async-checkpoint", action="store_true")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--log-every", type=harness.positive_int, default=20)
-    p.add_argument("--timing-skip", type=non_negative_int, default=20)
-    p.add_argument("--timeout", type=positive_float, default=600.0, help="collective timeout, seconds")
+    p.add_argument("--timing-skip", type=harness.non_negative_int, default=20)
+    p.add_argument("--timeout", type=harness.positive_float, default=600.0, help="collective timeout, seconds")
     harness.add_output_args(p)
     args = p.parse_args(argv)
     if args.tiny:

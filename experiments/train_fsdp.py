@@ -50,30 +50,11 @@ log = logging.getLogger("fuselab.train_fsdp")
 TINY = dict(n_embd=64, n_layer=2, n_head=2, seq=64, batch=2, max_tokens=200_000)
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
 
 def fraction(text: str) -> float:
-    value = positive_float(text)
+    value = harness.positive_float(text)
     if value >= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -96,9 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--global-batch", type=harness.positive_int, default=None,
                    help="sequences per optimizer step over all ranks (default: batch x world size; a multiple of "
                         "it gives gradient accumulation)")
-    g.add_argument("--lr", type=positive_float, default=3e-4)
+    g.add_argument("--lr", type=harness.positive_float, default=3e-4)
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay down to lr x this")
-    g.add_argument("--warmup", type=non_negative_int, default=30, help="linear warm-up steps")
+    g.add_argument("--warmup", type=harness.non_negative_int, default=30, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
     g.add_argument("--seed", type=int, default=0)
@@ -114,9 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--compile-mode", default=None, help="torch.compile mode (e.g. max-autotune-no-cudagraphs)")
     g.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     g.add_argument("--no-tf32", dest="tf32", action="store_false", help="exact fp32 matmuls (default: tf32 allowed)")
-    g.add_argument("--timing-skip", type=non_negative_int, default=10,
+    g.add_argument("--timing-skip", type=harness.non_negative_int, default=10,
                    help="first steps left out of the throughput (compilation, warm-up)")
-    g.add_argument("--peak-tflops", type=positive_float, default=None,
+    g.add_argument("--peak-tflops", type=harness.positive_float, default=None,
                    help=f"per-GPU peak for MFU (default on CUDA: {H200_BF16_DENSE_TFLOPS}, H200 dense BF16)")
     g = p.add_argument_group("data")
     g.add_argument("--corpus", type=Path, default=data.PYTHON_DOCS,
@@ -124,19 +105,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--bpe", type=Path, default=data.WHISPER_SDIST, help="whisper's sdist holding gpt2.tiktoken")
     g.add_argument("--max-tokens", type=harness.positive_int, default=None, help="use only the first N tokens")
     g.add_argument("--val-fraction", type=fraction, default=0.02, help="held-out tail of the corpus")
-    g.add_argument("--val-batches", type=non_negative_int, default=4,
+    g.add_argument("--val-batches", type=harness.non_negative_int, default=4,
                    help="micro-batches per rank for the final validation loss (0: none)")
     g.add_argument("--export-tokens", type=Path, default=None,
                    help="write the corpus's token ids (uint16 .pt) to this file and exit")
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--checkpoint-dir", type=Path, default=None)
-    g.add_argument("--checkpoint-every", type=non_negative_int, default=0,
+    g.add_argument("--checkpoint-every", type=harness.non_negative_int, default=0,
                    help="steps between saves (0: only at the end)")
     g.add_argument("--keep", type=harness.positive_int, default=3, help="complete checkpoints kept")
     g.add_argument("--async-checkpoint", action="store_true", help="dcp.async_save: write while training goes on")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     g.add_argument("--log-every", type=harness.positive_int, default=10)
-    g.add_argument("--timeout", type=positive_float, default=600.0, help="collective timeout, seconds")
+    g.add_argument("--timeout", type=harness.positive_float, default=600.0, help="collective timeout, seconds")
     harness.add_output_args(p)
     args = p.parse_args(argv)
     if args.tiny:

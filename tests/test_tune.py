@@ -329,7 +329,7 @@ def test_plots_from_the_sweep(swept, tmp_path):
 @pytest.mark.parametrize("argv,words", [
     (["--grid", "nope"], "not a built-in grid"),
     (["--budget-min", "0"], "must be > 0"),
-    (["--budget-min", "soon"], "expected a float"),
+    (["--budget-min", "soon"], "expected a positive number"),
     (["--jobs", "-1"], "must be >= 0"),
     (["--resume", "--overwrite"], "not allowed with"),
     (["--check-heldout", "--first-call"], "not allowed with"),

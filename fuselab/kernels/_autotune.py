@@ -27,9 +27,7 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import re
-import tempfile
 import types
 import warnings
 from functools import cached_property
@@ -40,6 +38,7 @@ import triton
 from triton.runtime.autotuner import Autotuner
 
 from fuselab import settings
+from fuselab._io import write_json_atomic
 from fuselab.kernels._runtime import INTERPRET, device_name
 
 # The per-GPU choices that ship in the package; a module attribute so that tests can point it elsewhere.
@@ -237,16 +236,7 @@ def write_shipped_configs(path: Path, gpu: str, kernels: Dict[str, Tuple[str, Di
         merged = {**{k: v for k, v in old.get("kernels", {}).items() if k not in merged}, **merged}
     data = {"format": CONFIGS_FORMAT, "gpu": gpu, "triton": triton.__version__, "about": about or {},
             "kernels": dict(sorted(merged.items()))}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, data)
     return path
 
 
@@ -357,13 +347,9 @@ class PersistentAutotuner(Autotuner):
                     describe_key(self.keys, tuning_key), len(configs), path.parent)
         bench_fn()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             db = _read_cache(path)  # re-read: another process may have added keys meanwhile
             db[entry] = str(self.cache[tuning_key])
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(db, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
+            write_json_atomic(path, db, sort_keys=True)
         except OSError:
             pass  # a read-only home still works, it just retunes next time
         return False

@@ -24,3 +24,22 @@ def needs_int64(*tensors: Optional[torch.Tensor]) -> bool:
     past each edge): the kernel then computes them in 64 bits."""
     return any(sum((s + 256) * abs(st) for s, st in zip(t.shape, t.stride())) >= 2**31
                for t in tensors if t is not None)
+
+
+@triton.jit
+def tile_pointers(a_ptr, b_ptr, pid_m, pid_n, M, N, stride_am, stride_ak, stride_bk, stride_bn,
+                  INT64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(offs_m, offs_n, offs_k, rm, rn, a_ptrs, b_ptrs) of a pointer-body tile's first K step."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    if INT64:  # offsets past 2**31 elements
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    # Rows/columns past the edge re-read valid ones (no load mask); the store drops them.
+    rm = offs_m % M
+    rn = offs_n % N
+    a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
+    return offs_m, offs_n, offs_k, rm, rn, a_ptrs, b_ptrs

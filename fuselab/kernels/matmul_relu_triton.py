@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
-from fuselab.kernels._gemm_tiles import needs_int64, tile_coords
+from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -158,18 +158,8 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr, M, N, K, stride
                pid_n, HAS_BIAS: tl.constexpr, RELU: tl.constexpr, MASK_A: tl.constexpr,
                ROWSUM_A: tl.constexpr, INT64: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    if INT64:  # offsets past 2**31 elements
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-        offs_k = offs_k.to(tl.int64)
-    # Rows/columns past the edge re-read valid ones (no load mask); the store drops them.
-    rm = offs_m % M
-    rn = offs_n % N
-    a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
+    offs_m, offs_n, offs_k, rm, rn, a_ptrs, b_ptrs = tile_pointers(
+        a_ptr, b_ptr, pid_m, pid_n, M, N, stride_am, stride_ak, stride_bk, stride_bn, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
     if MASK_A:
         y_ptrs = y_ptr + rm[:, None] * stride_ym + offs_k[None, :] * stride_yk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
-from fuselab.kernels._gemm_tiles import needs_int64, tile_coords
+from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -93,18 +93,8 @@ def scaled_gemm_kernel(
 ):
     """C = epilogue(A @ B); see the module docstring."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    if INT64:  # offsets past 2**31 elements
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-        offs_k = offs_k.to(tl.int64)
-    # Rows/columns past the edge re-read valid ones (no load mask); the store drops them.
-    rm = offs_m % M
-    rn = offs_n % N
-    a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
+    offs_m, offs_n, offs_k, rm, rn, a_ptrs, b_ptrs = tile_pointers(
+        a_ptr, b_ptr, pid_m, pid_n, M, N, stride_am, stride_ak, stride_bk, stride_bn, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
     if INT8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:

@@ -7,33 +7,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import fuselab.tune
+from fuselab._io import non_negative_int, positive_float, positive_int
 from fuselab.kernels import _autotune
 from fuselab.kernels._runtime import INTERPRET
 from fuselab.tune import grid
 from fuselab.tune.kernels import KERNELS
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue --out: skip what it already holds")
     again.add_argument("--overwrite", action="store_true", help="start --out over")
-    p.add_argument("--budget-min", type=_positive(float), default=None,
+    p.add_argument("--budget-min", type=positive_float, default=None,
                    help="stop starting new timings after this many minutes (saved; --resume continues)")
     p.add_argument("--write-configs", action="store_true",
                    help="write the best config per tuning key into the configs file for this GPU")
@@ -61,12 +39,12 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the configs files' folder (default: the package's, {_autotune.SHIPPED_CONFIGS_DIR})")
     p.add_argument("--dry-run", action="store_true",
                    help="run in the Triton interpreter on the CPU (timings mean nothing): checks the machinery")
-    p.add_argument("--jobs", type=_non_negative_int, default=None,
+    p.add_argument("--jobs", type=non_negative_int, default=None,
                    help="processes compiling kernels ahead of timing (default: half the CPUs, at most 8; "
                         "0: compile in this process)")
-    p.add_argument("--warmup-ms", type=_positive(float), default=5, help="do_bench warmup per config (ms)")
-    p.add_argument("--rep-ms", type=_positive(float), default=25, help="do_bench timed calls per config (ms)")
-    p.add_argument("--rounds", type=_positive(int), default=3,
+    p.add_argument("--warmup-ms", type=positive_float, default=5, help="do_bench warmup per config (ms)")
+    p.add_argument("--rep-ms", type=positive_float, default=25, help="do_bench timed calls per config (ms)")
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="--check-heldout: alternate re-timings of the shipped and the best config")
     p.add_argument("--commit", default=None, help="the commit measured, where git cannot tell (a copy without .git)")
     p.add_argument("--dirty", action="store_true", help="with --commit: the working tree had changes")

@@ -7,10 +7,8 @@ The library does not import experiments/, so this is the format's writer on fuse
 atomic (a run cut short leaves the previous file whole).
 """
 import json
-import os
 import platform
 import subprocess
-import tempfile
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +16,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import triton
+
+from fuselab._io import write_json_atomic
 
 FORMAT = "fuselab-results/1"
 ROW_KEYS = ("study", "op", "provider", "shape", "dtype", "mode", "metric", "p20", "p50", "p80", "run")
@@ -99,13 +99,5 @@ class Results:
 
     def save(self, path: Path) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json_atomic(path, self.to_json())
         return path

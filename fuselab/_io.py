@@ -1,0 +1,48 @@
+"""Small pieces fuselab's command lines, caches and result files share (and the experiments reuse)."""
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_json_atomic(path: Path, data, **dump_kwargs) -> Path:
+    """``data`` as JSON at ``path``, written under a temporary name and renamed when whole: a crash
+    or a concurrent writer never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, **dump_kwargs)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _number(text: str, kind, lowest, inclusive: bool, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not (value >= lowest if inclusive else value > lowest):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lowest}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, else a usage error that names the value."""
+    return _number(text, int, 1, True, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0, else a usage error that names the value."""
+    return _number(text, int, 0, True, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0, else a usage error that names the value."""
+    return _number(text, float, 0, False, "a positive number")

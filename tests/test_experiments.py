@@ -171,7 +171,7 @@ def test_save_is_atomic(tmp_path):
         raise KeyboardInterrupt
 
     _row(res, "new", 2.0)
-    with mock.patch.object(harness.json, "dump", broken_dump), pytest.raises(KeyboardInterrupt):
+    with mock.patch("fuselab._io.json.dump", broken_dump), pytest.raises(KeyboardInterrupt):
         res.save(path)
     assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
 

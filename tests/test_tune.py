@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from fuselab import settings
+from fuselab._results import ROW_KEYS, Results
 from fuselab.kernels import _autotune
 from fuselab.kernels._autotune import bucket
 from fuselab.tune import grid, sweep
 from fuselab.tune.__main__ import main
 from fuselab.tune.kernels import KERNELS
-from fuselab.tune.results import ROW_KEYS, Results
 
 MR = importlib.import_module("fuselab.kernels.matmul_relu_triton")
 ENTRY = KERNELS["matmul_relu"]

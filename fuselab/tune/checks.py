@@ -25,10 +25,10 @@ from typing import List, Optional
 
 import torch
 
+from fuselab._results import Results, environment
 from fuselab.kernels import _autotune
 from fuselab.tune.grid import Problem
 from fuselab.tune.kernels import KERNELS, device
-from fuselab.tune.results import Results, environment
 from fuselab.tune.sweep import Options, SweepError, measure, plan, prepare, progress, short_name
 
 HELDOUT_TARGET = 1.05

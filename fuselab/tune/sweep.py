@@ -32,10 +32,10 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 import triton
 
+from fuselab._results import Results, environment
 from fuselab.kernels import _autotune
 from fuselab.tune.grid import Problem
 from fuselab.tune.kernels import KERNELS, Launch, device
-from fuselab.tune.results import Results, environment
 
 STUDY = "tune"
 QUANTILES = (0.2, 0.5, 0.8)

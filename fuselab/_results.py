@@ -1,0 +1,236 @@
+"""Measurements as data: fuselab's long-format results file (``fuselab-results/1``).
+
+One row per measurement, ``{study, op, provider, shape, dtype, mode, metric, p20, p50, p80, run}``
+plus extra keys; ``runs`` holds each run's environment (GPU, driver, versions, commit, a ``dirty``
+flag, date), ``baselines`` each op's baseline provider, ``failed`` what could not be measured.
+Ratios between providers are computed when reporting, never stored. Written by the experiments
+(through ``experiments/harness.py``) and by ``python -m fuselab.tune``; rendered by
+``experiments/report.py``.
+"""
+import json
+import os
+import platform
+import subprocess
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from fuselab._io import write_json_atomic
+
+FORMAT = "fuselab-results/1"
+QUANTILES = (0.2, 0.5, 0.8)
+REPO = Path(__file__).resolve().parent.parent  # a checkout's root, where git reads the commit
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Quantiles of one measurement's samples (milliseconds for times)."""
+    p20: float
+    p50: float
+    p80: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Timing":
+        s = sorted(samples)
+        pick = [s[min(len(s) - 1, int(q * len(s)))] for q in QUANTILES]
+        return cls(*pick)
+
+    @classmethod
+    def exact(cls, value: float) -> "Timing":
+        """A measurement with no spread (a count, an accuracy, a peak)."""
+        return cls(value, value, value)
+
+    def converted(self, factor: float) -> "Timing":
+        """The same quantiles in another unit (``factor`` 1e3: milliseconds -> microseconds)."""
+        return Timing(self.p20 * factor, self.p50 * factor, self.p80 * factor)
+
+    def scaled(self, work: float) -> "Timing":
+        """``work / time`` (a rate), quantiles swapped so that p20 stays the lower value."""
+        return Timing(work / self.p80, work / self.p50, work / self.p20)
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment(commit: Optional[str] = None, dirty: Optional[bool] = None) -> Dict[str, object]:
+    """Where a measurement was made. A copy without .git (a lent GPU machine) passes the commit as
+    ``commit``/``dirty``, or in FUSELAB_GIT_COMMIT and FUSELAB_GIT_DIRTY."""
+    import triton
+
+    commit = commit or os.environ.get("FUSELAB_GIT_COMMIT") or _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    dirty_env = os.environ.get("FUSELAB_GIT_DIRTY")
+    if dirty is not None:
+        pass
+    elif dirty_env is not None:
+        dirty = dirty_env not in ("0", "", "false")
+    else:
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status) if status is not None else None
+    from fuselab.kernels._runtime import INTERPRET
+
+    cuda = torch.cuda.is_available()
+    # the name the tuner keys its choices by: the GPU's, or the interpreter's (kernels then ran there)
+    device = (torch.cuda.get_device_name() if cuda else "triton-interpreter" if INTERPRET
+              else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
+    driver = None
+    if cuda:
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            driver = None
+    return {
+        "gpu": device,
+        "driver": driver,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": commit,
+        "dirty": dirty,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+ROW_KEYS = ("study", "op", "provider", "shape", "dtype", "mode", "metric", "p20", "p50", "p80")
+FAILURE_KEYS = ("op", "provider", "shape", "dtype", "mode")  # what a failure is keyed by (no metric)
+
+
+class Results:
+    """Long-format measurements of one study, with the environment of each run that made them.
+
+    ``failed`` lists what could not be measured (an out-of-memory, a compiler error, a CUDA graph
+    that would not capture): ``{op, provider, shape, dtype, mode, error, run}``, written beside the
+    rows, rendered under the study's tables."""
+
+    def __init__(self, study: str, runs: Optional[Dict[str, dict]] = None, rows: Optional[List[dict]] = None,
+                 baselines: Optional[Dict[str, str]] = None, failed: Optional[List[dict]] = None):
+        self.study = study
+        self.runs: Dict[str, dict] = runs or {}
+        self.rows: List[dict] = rows or []
+        self.baselines: Dict[str, str] = baselines or {}  # op -> the provider ratios are taken against
+        self.failed: List[dict] = failed or []
+        self.run_id = None
+
+    def set_baseline(self, op: str, providers_or_name) -> None:
+        """Name ``op``'s baseline provider (a name, or a ``Providers`` registry's baseline)."""
+        name = getattr(providers_or_name, "baseline", providers_or_name)
+        if not isinstance(name, str):
+            raise ValueError(f"no baseline provider for {op!r}")
+        self.baselines[op] = name
+
+    def start_run(self, env: Optional[Dict[str, object]] = None) -> str:
+        """Begin this process's run with ``env`` (default: ``environment()``); rows record its id."""
+        self.run_id = uuid.uuid4().hex[:8]
+        self.runs[self.run_id] = environment() if env is None else env
+        return self.run_id
+
+    def _current_run(self) -> str:
+        return self.run_id if self.run_id is not None else self.start_run()
+
+    def annotate(self, **info) -> None:
+        """Add keys to this run's environment entry (a data path, a flag the whole run shares)."""
+        self.runs[self._current_run()].update(info)
+
+    def fail(self, *, op: str, provider: str, shape: str, dtype: str, mode: str, error, **extra) -> dict:
+        """Record that a measurement could not be made; ``error`` an exception or a message."""
+        if isinstance(error, BaseException):  # the first line of the message: enough to recognise it
+            first = (str(error).strip().splitlines() or [""])[0]
+            error = f"{type(error).__name__}: {first[:300]}"
+        entry = {"op": op, "provider": provider, "shape": str(shape), "dtype": dtype, "mode": mode,
+                 "error": str(error), "run": self._current_run(), **extra}
+        self.failed.append(entry)
+        return entry
+
+    def record(self, *, op: str, provider: str, shape: str, dtype: str, mode: str, metric: str,
+               value, **extra) -> dict:
+        """One measurement: ``value`` is a Timing, a (p20, p50, p80) triple or a number (no spread).
+        ``extra`` keys (a model name, a step count) are kept beside the standard ones."""
+        if isinstance(value, Timing):
+            timing = value
+        elif isinstance(value, (tuple, list)):
+            timing = Timing(*value)
+        else:
+            timing = Timing.exact(float(value))
+        clash = set(extra) & set(ROW_KEYS + ("run",))
+        if clash:
+            raise ValueError(f"extra keys {sorted(clash)} shadow standard row keys")
+        row = {"study": self.study, "op": op, "provider": provider, "shape": str(shape), "dtype": dtype,
+               "mode": mode, "metric": metric, **asdict(timing), "run": self._current_run(), **extra}
+        self.rows.append(row)
+        return row
+
+    def record_time(self, *, flops: Optional[float] = None, nbytes: Optional[float] = None, **keys) -> None:
+        """A ``time_call`` Timing as an ``ms`` row, plus TFLOP/s and GB/s rows when the work is given."""
+        timing = keys.pop("value")
+        self.record(metric="ms", value=timing, **keys)
+        if flops:
+            self.record(metric="TFLOP/s", value=timing.scaled(flops * 1e-9), **keys)
+        if nbytes:
+            self.record(metric="GB/s", value=timing.scaled(nbytes * 1e-6), **keys)
+
+    def select(self, **where) -> List[dict]:
+        """Rows whose keys equal every ``where`` value (a tuple/list/set value: any of them)."""
+        def match(row):
+            for k, v in where.items():
+                if isinstance(v, (tuple, list, set, frozenset)):
+                    if row.get(k) not in v:
+                        return False
+                elif row.get(k) != v:
+                    return False
+            return True
+
+        return [r for r in self.rows if match(r)]
+
+    def value(self, stat: str = "p50", **where) -> Optional[float]:
+        """The single row matching ``where``'s ``stat``; None if none matches, an error if several do."""
+        rows = self.select(**where)
+        if len(rows) > 1:
+            raise ValueError(f"{len(rows)} rows match {where}")
+        return rows[0][stat] if rows else None
+
+    def to_json(self) -> dict:
+        out = {"study": self.study, "format": FORMAT, "baselines": self.baselines, "runs": self.runs,
+               "rows": self.rows}
+        if self.failed:
+            out["failed"] = self.failed
+        return out
+
+    @classmethod
+    def load(cls, path: Path) -> "Results":
+        try:
+            data = json.loads(Path(path).read_text())
+        except ValueError as e:
+            raise ValueError(f"{path} is not JSON: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a fuselab results file (format fuselab-results/1)")
+        return cls(data["study"], data["runs"], data["rows"], data.get("baselines"), data.get("failed"))
+
+    def save(self, path: Path, merge: bool = False) -> Path:
+        """Write atomically (a crash leaves the old file whole); ``merge`` keeps the rows already
+        there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric)."""
+        path = Path(path)
+        out = self
+        if merge and path.exists():
+            old = Results.load(path)
+            if old.study != self.study:
+                raise ValueError(f"{path} holds study {old.study!r}, not {self.study!r}: not merged")
+            mine = {tuple(r.get(k) for k in ROW_KEYS[1:7]) for r in self.rows}
+            kept = [r for r in old.rows if tuple(r.get(k) for k in ROW_KEYS[1:7]) not in mine]
+            # an earlier failure stays listed until this run measures or fails that configuration again
+            tried = {tuple(r.get(k) for k in FAILURE_KEYS) for r in self.rows + self.failed}
+            kept_failed = [f for f in old.failed if tuple(f.get(k) for k in FAILURE_KEYS) not in tried]
+            runs = {k: v for k, v in old.runs.items() if any(r["run"] == k for r in kept + kept_failed)}
+            out = Results(self.study, {**runs, **self.runs}, kept + self.rows, {**old.baselines, **self.baselines},
+                          kept_failed + self.failed)
+        write_json_atomic(path, out.to_json())
+        return path

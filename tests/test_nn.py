@@ -536,3 +536,44 @@ def test_patched_models_on_a_gpu():
         assert any("fused_" in op for op in graphs[0]), graphs
     model = _relu_mlp(1).cuda().double()
     assert fuse_linear_relu(model)[1].fused == []
+
+
+def test_fx_path_leaves_alone_what_a_graph_module_would_drop_or_freeze():
+    # A GraphModule keeps neither the model's own hooks nor its methods, and bakes Python attributes in.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return F.relu(self.a(x))
+
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = Block(), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.block(x))
+
+    class Scaled(Hooked):
+        def __init__(self):
+            super().__init__()
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.head(self.block(x)) * self.scale
+
+    class WithMethod(Hooked):
+        def extra(self):
+            return 1
+
+    hooked = Hooked()
+    hooked.register_forward_hook(lambda module, inputs, out: out + 100)
+    for model, words in ((hooked, "hooks"), (Scaled(), "scale"), (WithMethod(), "extra")):
+        x = torch.randn(4, 8)
+        ref = model(x)
+        patched, report = fuse_linear_relu(model)
+        assert patched is model and not report.fused, report
+        assert words in report.skipped["block.a"], report
+        torch.testing.assert_close(patched(x), ref)

@@ -315,6 +315,28 @@ def _modes_set(model: nn.Module, training: bool, grad: bool, autocast: bool):
             torch.set_autocast_enabled(device, enabled)
 
 
+def _snapshot_hazard(model: nn.Module) -> Optional[str]:
+    """Why a GraphModule (a snapshot of ``forward``) could behave differently from ``model`` later: hooks,
+    Python attributes or methods of the modules the trace goes through (not of the leaf modules it
+    calls whole, which the GraphModule keeps), which it would drop or freeze; None where none."""
+    leaf = _FaithfulTracer().is_leaf_module
+    for name, module in model.named_modules():
+        if name and leaf(module, name):
+            continue
+        where = name or "the model"
+        hooks = [k.strip("_") for k, v in vars(module).items() if k.endswith("_hooks") and v and "state_dict" not in k]
+        if hooks:
+            return f"{where} has hooks ({', '.join(hooks)}) that the rewritten GraphModule would drop"
+        plain = [k for k in vars(module) if not k.startswith("_") and k != "training"]
+        if plain:
+            return (f"{where} keeps Python attributes ({', '.join(plain)}) that a torch.fx graph would freeze "
+                    "(a later change would no longer take effect)")
+    methods = [k for k, v in vars(type(model)).items() if callable(v) and not k.startswith("_") and k != "forward"]
+    if methods:
+        return f"the model defines methods ({', '.join(methods)}) that the rewritten GraphModule would not have"
+    return None
+
+
 def _trace(model: nn.Module) -> torch.fx.GraphModule:
     """``symbolic_trace(model)``, raising ``_Unfaithful`` where the graph would compute something else.
 
@@ -333,6 +355,9 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
 
 def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:
     """The fx path: (the rewritten GraphModule, or ``model``; why other Linear layers were left alone)."""
+    hazard = _snapshot_hazard(model)
+    if hazard is not None:
+        return model, hazard
     try:
         gm = _trace(model)
     except _Unfaithful as e:

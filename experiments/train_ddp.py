@@ -273,7 +273,7 @@ def train(args, rt):
         else:  # stopped by --steps inside the epoch
             skip += done * args.batch * world
         if ckpt is not None:
-            ckpt.save(step, model, opt, sched, {"epoch": epoch, "step": step, "samples_in_epoch": skip})
+            ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": skip})
     bar.close()
     if ckpt is not None:
         ckpt.close()

@@ -322,3 +322,43 @@ def test_train_ddp_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         train_ddp.parse_args(argv + ["--device", "cpu"])
     assert message in capsys.readouterr().err
+
+
+CHECKPOINT_MISUSE = """
+import sys, torch, torch.nn as nn
+from fuselab import distributed as fd
+fd.init("cpu")
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+ck = fd.Checkpointer(sys.argv[1])
+ck.save(3, model, torch.optim.SGD(model.parameters(), lr=0.1))
+for name, other in [("smaller", nn.Sequential(nn.Linear(4, 8))),
+                    ("wider", nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 2)))]:
+    try:
+        ck.load(other)
+        print(name, "loaded")
+    except Exception as e:  # a DCP CheckpointException is a BaseException: it must arrive as an Exception
+        print(name, type(e).__name__, e)
+try:
+    ck.save(5, model, None, None, {"step": 999})
+except ValueError as e:
+    print("reserved", e)
+fd.shutdown()
+"""
+
+
+def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
+    # A smaller model would silently take part of the checkpoint (DCP loads the keys asked for).
+    script = tmp_path / "misuse.py"
+    script.write_text(CHECKPOINT_MISUSE)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck")], cwd=ROOT,
+                            env={**fd.launch_environment(), "OMP_NUM_THREADS": "1",
+                                 "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.started = time.perf_counter()
+    proc = finish(proc, 120)
+    assert proc.returncode == 0, output(proc)
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
+                 ("smaller", "wider", "reserved"))
+    assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
+    assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
+    assert "step" in lines["reserved"], lines

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 logger = logging.getLogger("fuselab.distributed")
@@ -95,6 +96,14 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _first_failure(error: "CheckpointException") -> str:
+    """The first rank's failure of a DCP CheckpointException, as one line."""
+    for failure in (getattr(error, "failures", None) or {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack summary)
+        return f"{type(cause).__name__}: {str(cause).strip()}"
+    return str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
 
 
 class Checkpointer:
@@ -159,6 +168,9 @@ class Checkpointer:
             for stale in self.dir.glob(f"{TMP}*"):  # left by a save that was killed
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
+        reserved = {"step", "world_size", "time"} & set(train_state or {})
+        if reserved:
+            raise ValueError(f"train_state may not set {sorted(reserved)}: the checkpoint records them itself")
         info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
         try:
             json.dumps(info)
@@ -263,7 +275,14 @@ class Checkpointer:
         saved_world = sum(k.startswith("rng_rank") for k in saved)  # one per rank that saved
         if saved_world == _world():
             state[rng_key] = b""
-        dcp.load(state, checkpoint_id=str(path))
+        unused = sorted(k for k in saved if k.startswith("model.") and k[len("model."):] not in msd)
+        if unused:  # DCP loads only the keys asked for: a smaller model would take part of the checkpoint
+            raise ValueError(f"{path} holds model entries this model does not have ({', '.join(unused[:5])}"
+                             f"{', ...' if len(unused) > 5 else ''}): it was saved from another model")
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except CheckpointException as e:  # a BaseException: `except Exception` would not see it
+            raise RuntimeError(f"could not load {path}: {_first_failure(e)}") from e
         info = json.loads(state["train_state"])
         set_state_dict(model, optimizer if "optim" in state else [], model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))

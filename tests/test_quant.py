@@ -753,3 +753,52 @@ def test_quantized_model_gpu_compiled(config):
     torch.testing.assert_close(compiled, eager, rtol=2**-7, atol=2**-7 * eager.abs().max().item())  # bf16 output
     layer = next(m for m in model if isinstance(m, (Int8Linear, Float8Linear)))
     check_layer(layer, *floats[0], x, "fp8" if config == "fp8" else "int8", relu=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Found by a skeptical-user probe: each of these gave a wrong number without an error
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((3, 1), (1, 5)), ((1, 7), (7, 5)), ((4, 6), (6, 1)), ((1, 1), (1, 1))])
+def test_int8_size_one_dims_on_the_cpu_path(a_shape, b_shape):
+    # torch._int_mm on a CPU misreads the (1, 1) strides a size-1 dim gets (nn.Linear(1, N) always has one).
+    a = torch.randint(-127, 128, a_shape, dtype=torch.int8)
+    b = torch.randint(-127, 128, tuple(reversed(b_shape)), dtype=torch.int8).t()
+    out = int8_matmul(a, b, None, None, backend="torch")
+    assert torch.equal(out, a.to(torch.int32) @ b.to(torch.int32))
+
+
+def test_distillation_with_masked_teacher_classes_and_alpha_one():
+    s = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(4, 5, dtype=torch.float64)
+    t[:, 4] = float("-inf")  # a masked class: p_t = 0 adds nothing
+    T = 2.0
+    p_t = torch.softmax(t[:, :4] / T, -1)
+    log_p_s = torch.log_softmax(s / T, -1)[:, :4]
+    ref = (p_t * (p_t.log() - log_p_s)).sum() / 4 * T * T
+    loss = DistillationLoss(T, 1.0)(s, t, torch.full((4,), -100))  # alpha 1: no hard term, not 0 * NaN
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    assert torch.isfinite(s.grad).all()
+
+
+def test_calibration_refuses_nan_and_scales_must_match_their_rows():
+    model = nn.Sequential(nn.Linear(8, 4))
+    batches = [torch.randn(16, 8) for _ in range(2)]
+    batches[1][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        calibrate(model, batches, 2, progress=False)
+    a = torch.randint(-127, 128, (2, 3, 8), dtype=torch.int8)
+    b = torch.randint(-127, 128, (8, 4), dtype=torch.int8)
+    with pytest.raises(ValueError, match="a_scale"):
+        int8_matmul(a, b, torch.rand(3, 2), torch.rand(4))  # (T, B) for a (B, T, K) input: transposed
+    int8_matmul(a, b, torch.rand(2, 3), torch.rand(4))
+
+
+def test_dtype_casts_keep_quantized_weights_and_scales():
+    q = nn.Sequential(nn.Linear(8, 4))
+    quantize_(q, Int8DynamicActivationInt8WeightConfig())
+    q = q.to(torch.bfloat16)
+    assert q[0].weight.dtype == torch.int8 and q[0].weight_scale.dtype == torch.float32
+    assert q(torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16

@@ -10,7 +10,7 @@ their PyTorch paths; this module holds what they share: the configs, the kernel,
 input checks and the epilogue as PyTorch computes it.
 """
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import triton
@@ -244,15 +244,18 @@ def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: 
     return out.to(out_dtype)
 
 
-def _as_vector(scale: Optional[torch.Tensor], n: int, what: str) -> Optional[torch.Tensor]:
-    """A scale given per row of (..., K) operands, or one for all of them, as the ops' (n,)."""
+def _as_vector(scale: Optional[torch.Tensor], shape: Tuple[int, ...], what: str) -> Optional[torch.Tensor]:
+    """A scale given per row of (..., K) operands (``shape`` = their leading dims), or one for all of
+    them, as the ops' (n,). Shapes must match, not only sizes: a transposed scale is an error."""
     if scale is None:
         return None
+    n = math.prod(shape)
     if scale.numel() == 1:
         return scale.reshape(1).expand(n)  # stride 0: one scale read by every row, no copy
-    if scale.numel() != n:
+    if tuple(scale.shape) not in (tuple(shape), (n,), (*shape, 1)):
+        also = f" shaped {tuple(shape)}" if len(shape) > 1 else ""
         raise ValueError(f"{what} must hold one scale per {'row of a' if what == 'a_scale' else 'column of b'} "
-                         f"({n}) or a single scale, got shape {tuple(scale.shape)}")
+                         f"({n}){also} or a single scale, got shape {tuple(scale.shape)}")
     return scale.reshape(n)
 
 
@@ -267,7 +270,8 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
     if a.dim() < 1 or b.dim() != 2:
         raise ValueError(f"a must have shape (..., K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
     a2 = a if a.dim() == 2 else a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: K may be 0
-    a_scale, b_scale = _as_vector(a_scale, a2.shape[0], "a_scale"), _as_vector(b_scale, b.shape[1], "b_scale")
+    a_scale = _as_vector(a_scale, tuple(a.shape[:-1]), "a_scale")
+    b_scale = _as_vector(b_scale, (b.shape[1],), "b_scale")
     args = (a2, b, a_scale, b_scale, bias, relu, out_dtype)
     runs_triton = execution_path(a) is ExecutionPath.TRITON
     if backend == "triton" and not runs_triton:

@@ -16,7 +16,9 @@ class DistillationLoss(nn.Module):
     """``forward(student_logits, teacher_logits, target)``: the loss above, a scalar.
 
     ``student_logits`` and ``teacher_logits`` are (N, C) floating tensors of one shape, ``target``
-    (N,) class indices in [0, C). The math runs in fp32 (float64 inputs stay float64), with
+    (N,) class indices in [0, C) (-100, cross-entropy's ignore_index, drops a row from the hard term
+    only: the soft term has no target). A teacher logit of -inf (a masked class) adds nothing to the
+    soft term. The math runs in fp32 (float64 inputs stay float64), with
     autocast off, whatever the logits' dtype. Gradients flow to both logits; compute the teacher's
     under ``torch.no_grad()`` to train the student alone.
 
@@ -27,6 +29,8 @@ class DistillationLoss(nn.Module):
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9):
         super().__init__()
+        if isinstance(temperature, bool) or isinstance(alpha, bool):
+            raise TypeError(f"temperature and alpha must be numbers, got {temperature!r} and {alpha!r}")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
         if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
@@ -44,10 +48,16 @@ class DistillationLoss(nn.Module):
             s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
             log_p_s = F.log_softmax(s / T, dim=-1)
             log_p_t = F.log_softmax(t / T, dim=-1)
-            # KL(p_t || p_s) = sum p_t (log p_t - log p_s); "batchmean": summed over classes, mean over rows
-            soft = F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (T * T)
+            # KL(p_t || p_s) = sum p_t (log p_t - log p_s), summed over classes, mean over rows; a class the
+            # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)
+            p_t = log_p_t.exp()
+            kept = p_t > 0
+            kl = p_t * (torch.where(kept, log_p_t, 0.0) - torch.where(kept, log_p_s, 0.0))
+            soft = kl.sum() / s.shape[0] * (T * T)
+            if self.alpha == 1.0:  # no hard term at all: 0 * a NaN cross-entropy would be NaN
+                return soft
             hard = F.cross_entropy(s, target)
-            return self.alpha * soft + (1.0 - self.alpha) * hard
+            return hard if self.alpha == 0.0 else self.alpha * soft + (1.0 - self.alpha) * hard
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:

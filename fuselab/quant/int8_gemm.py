@@ -65,6 +65,8 @@ def _int32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[1] == 0:
         return a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.int32)
     try:
+        if a.is_cpu and 1 in a.shape + b.shape:  # _int_mm on a CPU misreads a size-1 dim's (1, 1) strides
+            return a.to(torch.int32) @ b.to(torch.int32)  # exact: int32 partial sums, as the kernels'
         return torch._int_mm(a, b)  # any shape on a CPU; on CUDA cuBLAS takes M > 16, K and N multiples of 8
     except RuntimeError:
         if a.is_cpu:

@@ -40,6 +40,16 @@ class _QuantizedLinear(nn.Module):
         self.weight, self.weight_scale = quantize(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
+    def _apply(self, fn, recurse=True):
+        # .to(dtype)/.half() on a quantized model: quantized weights and fp32 scales keep their dtypes
+        # (a round trip through fp16 would round the scales); device moves still apply. The bias follows.
+        kept = {k: v for k, v in self._buffers.items() if v is not None and k != "bias"}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            if self._buffers[name].dtype != old.dtype:
+                self._buffers[name] = old.to(self._buffers[name].device)
+        return self
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, relu={self.relu}")

@@ -144,7 +144,11 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
     def record(name):
         def hook(module, args):
             x = args[0].detach()
-            absmax[name] = max(absmax.get(name, 0.0), x.abs().max().item() if x.numel() else 0.0)
+            largest = x.abs().max().item() if x.numel() else 0.0
+            if largest != largest:  # NaN: max() would drop it and the scale would silently shrink
+                raise ValueError(f"calibrate: the input of {name!r} holds NaN in batch {seen}: "
+                                 "its range cannot be measured")
+            absmax[name] = max(absmax.get(name, 0.0), largest)
             have = sum(s.shape[0] for s in samples.get(name, []))
             if have < sample_rows:
                 samples.setdefault(name, []).append(x.reshape(-1, x.shape[-1])[:sample_rows - have].clone())

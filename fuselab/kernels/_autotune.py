@@ -259,6 +259,9 @@ def describe_key(names: Sequence[str], tuning_key: tuple) -> str:
     return " ".join(words)
 
 
+_UNWRITABLE: set = set()  # cache files a write failed on (warned about once)
+
+
 class PersistentAutotuner(Autotuner):
     """An Autotuner that reads and writes its choices in a JSON file (see module docstring)."""
 
@@ -350,8 +353,11 @@ class PersistentAutotuner(Autotuner):
             db = _read_cache(path)  # re-read: another process may have added keys meanwhile
             db[entry] = str(self.cache[tuning_key])
             write_json_atomic(path, db, sort_keys=True)
-        except OSError:
-            pass  # a read-only home still works, it just retunes next time
+        except OSError as e:  # a read-only or misplaced cache still works; it retunes next time, and says so once
+            if path not in _UNWRITABLE:
+                _UNWRITABLE.add(path)
+                log.warning("fuselab: cannot write the autotune cache %s (%s): every new process will tune again; "
+                            "set FUSELAB_CACHE_DIR to a writable folder", path, e)
         return False
 
 

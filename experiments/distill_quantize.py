@@ -59,7 +59,6 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -79,6 +78,7 @@ from experiments.harness import (
     require_cuda,
     time_call,
 )
+from experiments.training import warmup_cosine_schedule
 
 STUDY = "distill_quantize"
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST's training pixels
@@ -174,14 +174,6 @@ def progress(total: int, desc: str):
 # ----------------------------------------------------------------------------------------------
 
 
-def warmup_cosine(step: int, total: int, warmup: float = 0.15) -> float:
-    """The LR factor at ``step`` of ``total``: linear warm-up over the first 15%, then cosine decay to 0."""
-    warm = max(1, int(warmup * total))
-    if step < warm:
-        return (step + 1) / warm
-    return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
-
-
 def train(model: nn.Module, data: Data, *, epochs: int, batch: int, lr: float, seed: int, shift: int,
           desc: str, teacher_logits: Optional[torch.Tensor] = None, distill: Optional[nn.Module] = None) -> float:
     """Train in place; returns the seconds it took. ``teacher_logits`` (2, N, classes): the teacher on
@@ -192,7 +184,7 @@ def train(model: nn.Module, data: Data, *, epochs: int, batch: int, lr: float, s
     steps = n // batch
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, partial(warmup_cosine, total=epochs * steps))
+    sched = warmup_cosine_schedule(opt, max(1, int(0.15 * epochs * steps)), epochs * steps)  # 15% warm-up
     cuda = device.type == "cuda"
     model.train()
     bar = progress(epochs * steps, desc)

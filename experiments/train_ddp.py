@@ -33,6 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from experiments import data, harness
+from experiments.training import decay_groups, warmup_cosine_schedule
 from fuselab import distributed as fd
 
 STUDY = "train_ddp"
@@ -128,19 +129,9 @@ def prepare(images: torch.Tensor, augment: bool, channels_last: bool) -> torch.T
 
 
 def make_optimizer(model, args, world, steps_per_epoch, total_steps):
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]  # BN and biases
-    opt = torch.optim.SGD([{"params": decay, "weight_decay": args.weight_decay},
-                           {"params": no_decay, "weight_decay": 0.0}],
-                          lr=args.lr * world, momentum=args.momentum, nesterov=args.momentum > 0)
-    warmup = int(args.warmup_epochs * steps_per_epoch)
-
-    def schedule(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    opt = torch.optim.SGD(decay_groups(model, args.weight_decay), lr=args.lr * world, momentum=args.momentum,
+                          nesterov=args.momentum > 0)
+    return opt, warmup_cosine_schedule(opt, int(args.warmup_epochs * steps_per_epoch), total_steps)
 
 
 @torch.no_grad()

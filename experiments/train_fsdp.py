@@ -31,7 +31,6 @@ datasheet's dense BF16 tensor-core figure (1,979 with 2:4 sparsity).
 import argparse
 import contextlib
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from experiments import data, harness
+from experiments.training import decay_groups, warmup_cosine_schedule
 from fuselab import distributed as fd
 
 STUDY = "train_fsdp"
@@ -220,18 +220,9 @@ def flops_per_token(n_params: int, args) -> float:
 
 
 def make_optimizer(model, args, device):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
-
-    def schedule(step):  # LambdaLR's step 0 is the first optimizer step
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    opt = torch.optim.AdamW(decay_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+    return opt, warmup_cosine_schedule(opt, args.warmup, args.steps, args.min_lr_ratio)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

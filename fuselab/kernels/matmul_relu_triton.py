@@ -394,7 +394,7 @@ def _refuse_forward_ad(op: str) -> None:
     if forward_ad._current_level >= 0:  # _in_dual_level(), inlined: every eager call passes here
         raise NotImplementedError(
             f"torch.ops.fuselab.{op} has no forward-mode derivative (torch.autograd.forward_ad, "
-            "torch.func.jvp/jacfwd): a custom op cannot have one. Call fuselab.kernels.matmul_relu_triton or "
+            "torch.func.jvp/jacfwd): a custom op cannot have one. Call fuselab.kernels.matmul_relu or "
             "linear_relu instead, which compute forward-mode AD with PyTorch's own ops.")
 
 

@@ -11,7 +11,7 @@ from typing import Iterable, Tuple
 import torch
 from torch import nn
 
-from fuselab.quant.quantize import _model_input, _progress, _to
+from fuselab.quant.quantize import calibration_batches
 
 
 def _torchao_pt2e():
@@ -56,13 +56,7 @@ def quantize_pt2e_x86(model: nn.Module, example_inputs: Tuple, loader: Iterable,
     quantizer.set_global(default_config())
     prepared = prepare_pt2e(graph, quantizer)
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), None)
-    batches = iter(loader)
     with torch.no_grad():
-        for i in _progress(range(n_batches), n_batches, "calibrating (pt2e)", progress):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise ValueError(f"the loader ran out after {i} batches; n_batches={n_batches}") from None
-            args, kwargs = _model_input(batch)
-            prepared(*(_to(a, device) for a in args), **{k: _to(v, device) for k, v in kwargs.items()})
+        for args, kwargs in calibration_batches(loader, n_batches, device, "calibrating (pt2e)", progress):
+            prepared(*args, **kwargs)
     return convert_pt2e(prepared)  # exported in eval mode: dropout and batch norm are frozen in the graph

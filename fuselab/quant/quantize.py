@@ -128,6 +128,19 @@ def _progress(iterable: Iterable, total: int, desc: str, enabled: bool) -> Itera
     return tqdm(iterable, total=total, desc=desc)
 
 
+def calibration_batches(loader: Iterable, n_batches: int, device, desc: str, progress: bool):
+    """``n_batches`` batches of ``loader`` as (args, kwargs) on ``device``, with a progress bar;
+    ValueError if the loader runs out first."""
+    batches = iter(loader)
+    for i in _progress(range(n_batches), n_batches, desc, progress):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            raise ValueError(f"the loader ran out after {i} batches; n_batches={n_batches}") from None
+        args, kwargs = _model_input(batch)
+        yield tuple(_to(a, device) for a in args), {k: _to(v, device) for k, v in kwargs.items()}
+
+
 def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows: int = 256,
               progress: bool = True) -> Calibration:
     """Run ``n_batches`` batches of ``loader`` through ``model`` (eval mode, no grad; the mode is
@@ -161,16 +174,11 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
     seen = 0
     try:
         model.eval()
-        batches = iter(loader)
         with torch.no_grad():
-            for _ in _progress(range(n_batches), n_batches, "calibrating", progress):
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    raise ValueError(f"the loader ran out after {seen} batches; n_batches={n_batches}") from None
-                args, kwargs = _model_input(batch)
-                model(*(_to(a, device) for a in args), **{k: _to(v, device) for k, v in kwargs.items()})
-                seen += 1
+            for seen, (args, kwargs) in enumerate(calibration_batches(loader, n_batches, device, "calibrating",
+                                                                      progress)):
+                model(*args, **kwargs)
+        seen += 1
     finally:
         for handle in handles:
             handle.remove()

@@ -10,6 +10,7 @@ import torch
 
 from experiments import (
     bench_matmul_relu,
+    bench_quant,
     compile_speedup,
     harness,
     host_overhead,
@@ -218,6 +219,7 @@ BAD_ARGS = [
     (compile_speedup, "--iters", "0"), (compile_speedup, "--passes", "0"), (compile_speedup, "--warmup", "-1"),
     (compile_speedup, "--budget-min", "0"), (bench_matmul_relu, "--rep-ms", "0"),
     (host_overhead, "--shapes", "0x8x8"), (host_overhead, "--shapes", "8x8"),
+    (bench_quant, "--rep-ms", "0"), (bench_quant, "--budget-min", "0"), (bench_quant, "--tokens", "8x0"),
 ]
 
 
@@ -397,6 +399,95 @@ def test_compile_speedup_passes_alternate_and_average(tmp_path):
     for r in res.select(metric="ms/step"):
         assert len(r["passes"]) == 3 and r["p50"] == pytest.approx(sum(r["passes"]) / 3)
     assert {r["shape"] for r in res.rows} == {"2x32 tokens", "2x3x64x64"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantized GEMM benchmark (issue 20)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_quant_help_names_every_op_and_provider(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_quant.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out and "--shapes" in out and "--providers" in out
+    for name in [*bench_quant.OPS, *(n for reg in bench_quant.PROVIDERS.values() for n in reg.fns)]:
+        assert name in out, f"--help does not mention {name!r}"
+    assert (bench_quant.INT8.baseline, bench_quant.FP8.baseline, bench_quant.PREFILL.baseline) \
+        == ("_int_mm", "_scaled_mm", "fuselab bf16")
+
+
+@pytest.mark.parametrize("flag, value, field", [
+    ("--shapes", "9x9x9", "unknown shapes"), ("--ops", "int4 gemm", "unknown ops"),
+    ("--providers", "cuBLAS int8", "unknown providers"), ("--modes", "wall", "unknown modes"),
+    ("--sizes", "opt-175b", "unknown sizes"), ("--tokens", "8x", "BATCHxSEQ")])
+def test_bench_quant_unknown_names_are_usage_errors(capsys, outdirs, flag, value, field):
+    # Checked before the CUDA check: a typo is named on any machine.
+    err = usage_error(capsys, bench_quant.main, [flag, value])
+    assert field in err and value in err
+    assert not outdirs[0].exists() and not outdirs[1].exists()
+    # a provider of an op not asked for is unknown too
+    assert "unknown providers" in usage_error(capsys, bench_quant.main, ["--ops", "prefill", "--providers", "_int_mm"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")
+def test_bench_quant_refuses_a_cpu_at_once(outdirs):
+    with mock.patch.object(bench_quant, "measure_gemm", side_effect=AssertionError("measured")), \
+            mock.patch.object(bench_quant, "measure_prefill", side_effect=AssertionError("measured")):
+        for argv in ([], ["--quick"], ["--ops", "prefill"]):
+            with pytest.raises(SystemExit, match="bench_quant needs a CUDA GPU") as exc:
+                bench_quant.main(argv)
+            assert exc.value.code != 0
+    assert not outdirs[0].exists() and not outdirs[1].exists()
+
+
+def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
+    # The measurement code on a CPU with tiny shapes (fuselab's kernels in the interpreter), timing stubbed:
+    # every provider is checked against float64 and recorded; one that cannot run is a failure, not a gap.
+    import types
+
+    from experiments.harness import Timing
+
+    def one_call(fn, mode, **kwargs):
+        fn()
+        return Timing(1.0, 2.0, 3.0)
+
+    monkeypatch.setattr(bench_quant, "time_call", one_call)
+    monkeypatch.setitem(bench_quant.SHAPES, "odd 17x19x23", (17, 19, 23))
+    monkeypatch.setattr(bench_quant, "fp8_unsupported", lambda device: "no fp8 tensor cores here")
+    args = types.SimpleNamespace(modes=["eager", "graph"], rep_ms=1, providers={})
+    res = Results(bench_quant.STUDY)
+    for op in bench_quant.OPS:
+        res.set_baseline(op, bench_quant.PROVIDERS[op])
+    for op in bench_quant.GEMM_OPS:
+        bench_quant.measure_gemm(res, op, "odd 17x19x23", args, device="cpu")
+    int8 = {r["provider"] for r in res.select(op="int8 gemm", metric="TOP/s")}
+    assert int8 == set(bench_quant.INT8.fns) and len(res.select(op="int8 gemm", metric="TOP/s")) == 8
+    assert res.value(op="int8 gemm", provider="fuselab int8", mode="graph", metric="TOP/s") == 2 * 17 * 19 * 23 * 1e-9 / 2
+    for name in bench_quant.INT8.fns:
+        assert res.value(op="int8 gemm", provider=name, metric="rel err") < 1e-2
+        assert res.value(op="int8 gemm", provider=name, metric="rel err vs bf16 math") < 5e-2
+    failed = {(f["provider"], f["mode"]): f["error"] for f in res.failed}
+    assert failed == {(n, m): "no fp8 tensor cores here" for n in ("_scaled_mm", "_scaled_mm fast accum", "fuselab fp8")
+                      for m in ("eager", "graph")}
+    assert {r["provider"] for r in res.select(op="fp8 gemm")} == {"fuselab bf16"}
+    monkeypatch.setattr(bench_quant, "fp8_unsupported", lambda device: None)
+    monkeypatch.setitem(bench_quant.FP8.fns, "_scaled_mm", lambda inp: 1 / 0)  # a provider that raises
+    bench_quant.measure_gemm(res, "fp8 gemm", "odd 17x19x23", args, device="cpu")
+    assert res.failed[-1]["provider"] == "_scaled_mm" and "ZeroDivisionError" in res.failed[-1]["error"]
+    assert res.value(op="fp8 gemm", provider="fuselab fp8", mode="eager", metric="rel err") < 1e-2
+
+    args.providers = {"prefill": ["fuselab bf16", "int8 dynamic"]}
+    bench_quant.measure_prefill(res, "tiny", (1, 8), args, device="cpu")
+    rows = res.select(op="prefill", metric="ms")
+    assert {r["provider"] for r in rows} == {"fuselab bf16", "int8 dynamic"} and {r["mode"] for r in rows} == {"wall"}
+    assert res.value(op="prefill", provider="int8 dynamic", metric="ms", stat="p50") == 2.0
+    assert rows[1]["quantized_layers"] == 2 * 6 + 1  # q, k, v, out, fc1, fc2 per layer, and lm_head
+    assert res.value(op="prefill", provider="int8 dynamic", metric="rel err") < 0.1
+    page = report.render_study(res)
+    assert "### int8 gemm: TOP/s" in page and "| _int_mm | _int_mm row-major B | fuselab int8 | fuselab bf16 |" in page
+    assert "int8 dynamic x fuselab bf16" in page and "### Not measured" in page
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def test_builds_and_registers(extension):
     schemas = {name: str(getattr(torch.ops.fuselab, name).default._schema)
                for name in ("matmul_relu_cuda", "matmul_relu_cuda_naive")}
     assert schemas == {
-        "matmul_relu_cuda": 'fuselab::matmul_relu_cuda(Tensor a, Tensor b, Tensor? bias, str kernel="auto") -> Tensor',
+        "matmul_relu_cuda": 'fuselab::matmul_relu_cuda(Tensor a, Tensor b, Tensor? bias, str half_kernel="auto") -> Tensor',
         "matmul_relu_cuda_naive": "fuselab::matmul_relu_cuda_naive(Tensor a, Tensor b, Tensor? bias) -> Tensor"}
     a, b = torch.randn(3, 4, device="meta"), torch.randn(4, 5, device="meta")
     assert torch.ops.fuselab.matmul_relu_cuda(a, b, None).shape == (3, 5)  # the fake implementation

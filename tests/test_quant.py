@@ -85,7 +85,10 @@ def reference(a, b, a_scale, b_scale, bias, relu):
     ref = p + bias64
     bound = epilogue_bound(p.abs(), bias64.abs())
     if a.dtype == FP8:  # fp32 sums of exact products (int8 sums are exact)
+        products = a64.abs() @ b64.abs()
         bound = bound + dot_bound(torch.float32, a.shape[1], a64.abs(), b64.abs()) * scales
+        if a.is_cuda:
+            bound = bound + FP8_MMA_BOUND * products * scales
     return (torch.relu(ref) if relu else ref), bound
 
 
@@ -122,10 +125,11 @@ def quantization_bound(x, w, layer, kind):
     return x64.abs() @ e_w.t() + e_x @ w_hat.abs().t() + rounding
 
 
-def check_layer(layer, float_weight, float_bias, x, kind, relu):
-    """A quantized layer's output against the float layer's math in float64, within quantization_bound."""
+def check_layer(layer, float_weight, float_bias, x, kind, relu, call=None):
+    """A quantized layer's output (``call(x)``, default ``layer(x)``) against the float layer's math in
+    float64, within quantization_bound."""
     with torch.no_grad():
-        y = layer(x)
+        y = (call or layer)(x)
     ref = x.double() @ float_weight.double().t() + (float_bias.double() if float_bias is not None else 0.0)
     if relu:
         ref = torch.relu(ref)
@@ -733,8 +737,7 @@ def test_fp8_gpu_realistic(M, K, N):
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     out = fp8_matmul(a, b, a_scale, b_scale, bias, True, torch.bfloat16)
     ref, bound = reference(a, b, a_scale, b_scale, bias, True)
-    products = (a.double().abs() @ b.double().abs()) * a_scale.double()[:, None] * b_scale.double()[None, :]
-    assert_close(out, ref, bound + FP8_MMA_BOUND * products, "fp8 on the GPU")
+    assert_close(out, ref, bound, "fp8 on the GPU")
 
 
 @pytest.mark.gpu
@@ -750,9 +753,13 @@ def test_quantized_model_gpu_compiled(config):
     with torch.no_grad():
         eager = model(x)
         compiled = torch.compile(model, fullgraph=True)(x)
-    torch.testing.assert_close(compiled, eager, rtol=2**-7, atol=2**-7 * eager.abs().max().item())  # bf16 output
+    # Inductor may round an activation's x / scale to the other neighbouring 8-bit value at a tie, which
+    # later layers amplify: the model outputs agree in norm; the derived per-element bound is checked on
+    # the first layer, compiled, below.
+    assert (compiled.float() - eager.float()).norm() <= 2**-5 * eager.float().norm()
     layer = next(m for m in model if isinstance(m, (Int8Linear, Float8Linear)))
-    check_layer(layer, *floats[0], x, "fp8" if config == "fp8" else "int8", relu=True)
+    check_layer(layer, *floats[0], x, "fp8" if config == "fp8" else "int8", relu=True,
+                call=torch.compile(layer, fullgraph=True))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -93,9 +93,10 @@ def load_extension(verbose: bool = False) -> None:
 
 
 def _register_python_parts():
-    # The same contract as the Triton op; the fp16/bf16 kernel choice (the op's ``kernel``) has no gradient.
+    # The same contract as the Triton op; the fp16/bf16 kernel choice (the op's ``half_kernel``; not
+    # ``kernel``, which inductor's FallbackKernel.create takes itself) has no gradient.
     torch.library.register_fake("fuselab::matmul_relu_cuda",
-                                lambda a, b, bias, kernel="auto": _forward_fake(a, b, bias))
+                                lambda a, b, bias, half_kernel="auto": _forward_fake(a, b, bias))
     torch.library.register_fake("fuselab::matmul_relu_cuda_naive", _forward_fake)
     torch.library.register_autograd("fuselab::matmul_relu_cuda", lambda ctx, grad: (*_backward(ctx, grad), None),
                                     setup_context=lambda ctx, inputs, output: _setup_context(ctx, inputs[:3], output))

@@ -484,7 +484,7 @@ def _backward_by_torch_needed(grad: torch.Tensor) -> bool:
 def _backward_using(grad_a_fn, grad_b_fn):
     def backward(ctx, grad):
         a, b, y = ctx.saved_tensors
-        need_a, need_b, need_bias = ctx.needs_input_grad
+        need_a, need_b, need_bias = ctx.needs_input_grad[:3]  # ops with extra non-tensor arguments share it
         if _backward_by_torch_needed(grad):
             return _backward_by_torch(grad, a, b, y, need_a, need_b, need_bias and ctx.has_bias)
         grad_a = grad_b = grad_bias = None

@@ -104,11 +104,11 @@ def scaled_gemm_kernel(
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if INT8:
-            acc = tl.dot(a, b, acc)  # exact: the checks keep K below int32 overflow
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # exact: the checks keep K below int32 overflow
         else:
-            # Added in fp32 once per K tile: Hopper's fp8 MMA keeps fewer bits while it accumulates
-            # (Triton folds this add into the dot only where it accumulates exactly).
-            acc += tl.dot(a, b)
+            # Hopper's fp8 MMA keeps fewer bits while it accumulates, and Triton's sm_90 default lets it
+            # run over the whole K: promote into fp32 once per K tile instead.
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if SCALED:

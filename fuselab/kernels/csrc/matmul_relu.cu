@@ -723,7 +723,7 @@ void launch_tiled(const at::Tensor& a, const at::Tensor& b, const at::Tensor* bi
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Which fp16/bf16 kernel runs, the op's `kernel` argument: auto (wgmma where it can run and pays
+// Which fp16/bf16 kernel runs, the op's `half_kernel` argument: auto (wgmma where it can run and pays
 // off, else mma.sync), mma, or wgmma (an error where it cannot run). Python passes the setting
 // FUSELAB_CUDA_KERNEL (read once, fuselab/settings.py); tests and benchmarks pin a kernel this way.
 enum class HalfKernel { Auto, Mma, Wgmma };
@@ -842,9 +842,9 @@ std::vector<int64_t> out_shape(const at::Tensor& a, int64_t n) {
 }
 
 at::Tensor matmul_relu_cuda(const at::Tensor& a_in, const at::Tensor& b_in, const std::optional<at::Tensor>& bias,
-                            c10::string_view kernel) {
+                            c10::string_view half_kernel) {
   check_inputs(a_in, b_in, bias);
-  const HalfKernel want = parse_kernel(kernel);  // before any work: a bad name fails on every dtype
+  const HalfKernel want = parse_kernel(half_kernel);  // before any work: a bad name fails on every dtype
   const c10::cuda::CUDAGuard guard(a_in.device());
   const int64_t K = b_in.size(0), N = b_in.size(1);
   at::Tensor a = as_rows(a_in, K);
@@ -905,7 +905,7 @@ at::Tensor matmul_relu_cuda_naive(const at::Tensor& a_in, const at::Tensor& b, c
 
 TORCH_LIBRARY_FRAGMENT(fuselab, m) {
   m.set_python_module("fuselab.kernels.matmul_relu_cuda");  // where the fake and autograd live
-  m.def("matmul_relu_cuda(Tensor a, Tensor b, Tensor? bias, str kernel=\"auto\") -> Tensor");
+  m.def("matmul_relu_cuda(Tensor a, Tensor b, Tensor? bias, str half_kernel=\"auto\") -> Tensor");
   m.def("matmul_relu_cuda_naive(Tensor a, Tensor b, Tensor? bias) -> Tensor");
 }
 

@@ -109,6 +109,35 @@ MATMUL_VIEWS = (
     View("rel err", index=("shape", "dtype"), baseline=None, ops=("fwd",), title="{op}: relative error vs float64"),
 )
 
+QUANT_PROSE = """\
+fuselab's 8-bit GEMMs with the dequantization, bias and ReLU fused into the epilogue, against
+PyTorch's, on the same inputs in one process; then an OPT decoder's prefill quantized by
+`quantize_`. Ops: `int8 gemm` is `relu(dequant(a_q @ w_q^T) + bias)`, bf16 out, with one fp32
+scale per token and one per output channel (baseline **`_int_mm`**: `torch._int_mm` with B
+column-major, then the epilogue as separate eager ops; `_int_mm row-major B` the same with B
+row-major; `fuselab int8` one Triton kernel; `fuselab bf16` the fused bf16 matmul-ReLU on the
+unquantized tensors). `fp8 gemm` is the same in float8_e4m3fn with rowwise scales (baseline
+**`_scaled_mm`**: `torch._scaled_mm` with scales (M, 1) and (1, N), the bias and bf16 out, then a
+ReLU; `_scaled_mm fast accum` with `use_fast_accum=True`; `fuselab fp8`; `fuselab bf16`). Rates are
+2·M·N·K per second: `TOP/s` for the int8 op (the bf16 peer's operations are FLOPs), `TFLOP/s` for
+fp8. `eager` is `triton.testing.do_bench` (L2 flushed, host cost included), `graph` replays the
+calls from a CUDA graph; inputs rotate over sets larger than L2. `rel err` is each output against
+float64 of its own inputs' math (the dequantized math for the 8-bit providers); `rel err vs bf16
+math` against float64 of the unquantized bf16 inputs, the quantization error included. The GEMMs'
+operands are quantized beforehand: quantizing the activations is timed in the prefill only.
+
+`prefill` is one forward under no_grad of transformers' OPT decoder (random init, bf16, 8 x 1024
+tokens; `wall` mode: synchronized, per forward): baseline **`fuselab bf16`** (patched by
+`fuse_linear_relu`), `stock bf16`, and the patched model quantized by `quantize_` with
+`Int8DynamicActivationInt8WeightConfig` (`int8 dynamic`) or `Float8RowwiseConfig` (`fp8`), every
+Linear including lm_head; its `rel err` is the first sequence's logits against the stock model's.
+The issue's target is a quantized prefill at least 1.3x faster than `fuselab bf16`. Shapes or
+GPUs a provider refuses (cuBLAS's 8-bit GEMMs need M > 16 and K, N multiples of 8 or 16; fp8
+needs compute capability 8.9) are listed under "Not measured"."""
+
+QUANT_PROVIDERS = ["_int_mm", "_int_mm row-major B", "_scaled_mm", "_scaled_mm fast accum", "fuselab int8",
+                   "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8"]
+
 SPECS: Dict[str, Spec] = {
     "matmul_relu": Spec(
         title="Fused matmul-ReLU vs cuBLASLt",
@@ -204,6 +233,24 @@ error of the four. On a CPU the Triton kernels run in the interpreter (mode `int
                     title="{op}: largest relative error vs float64"),
                View("TFLOP/s", index=("shape", "dtype", "mode"), split=("op",), title="{op}: TFLOP/s")),
         hide=("ms",)),
+    "quant_gemm": Spec(
+        title="INT8 and FP8 GEMMs with fused epilogues, and a quantized OPT prefill",
+        prose=QUANT_PROSE,
+        command="python -m experiments.bench_quant --results",
+        views=(
+            View("TOP/s", index=("shape", "mode"), ops=("int8 gemm",), geomean_by=("mode",),
+                 title="{op}: TOP/s (the bf16 peer's are TFLOP/s)"),
+            View("TFLOP/s", index=("shape", "mode"), ops=("fp8 gemm",), geomean_by=("mode",), title="{op}: TFLOP/s"),
+            View("ms", index=("shape",), ops=("prefill",), title="{op}: ms per forward"),
+            View("rel err", index=("shape",), baseline=None, title="{op}: relative error (see above for against what)"),
+            View("rel err vs bf16 math", index=("shape",), baseline=None,
+                 title="{op}: relative error vs float64 of the unquantized bf16 inputs"),
+        ),
+        hide=("ms",),
+        orders={"op": ["int8 gemm", "fp8 gemm", "prefill"], "mode": ["eager", "graph", "wall"],
+                "provider": QUANT_PROVIDERS},
+        plot=Plot("TOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "int8 gemm"},
+                  ylabel="TOP/s (int8; bf16: TFLOP/s)", title="relu(dequant(a_q @ w_q^T) + bias), int8")),
     "sparse_embedding": Spec(
         title="SparseAdamW vs torch.optim.SparseAdam and AdamW",
         prose="""\

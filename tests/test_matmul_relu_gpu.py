@@ -97,9 +97,7 @@ def test_cuda_graph_capture_and_replay():
     assert_close(y, ref, dot_bound(torch.float16, 384, a.double().abs(), b.double().abs()) + 1e-3, "replay")
 
 
-@pytest.mark.parametrize("mode", ["default", pytest.param("reduce-overhead", marks=pytest.mark.xfail(strict=True,
-    reason="seen on the H200 (torch 2.11): with dynamic shapes and backward, cudagraph trees report the "
-           "forward's saved output as overwritten; forward-only reduce-overhead is tested below"))])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_inductor_dynamic_shapes(mode):
     # Every element of Y, dA, dB and dbias against float64 within its derived bound, per row count.
     torch._dynamo.reset()

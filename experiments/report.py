@@ -568,7 +568,7 @@ def _date(res: Results, rows: List[dict]) -> str:
 
 
 def _commits(res: Results, rows: List[dict]) -> str:
-    return ", ".join(dict.fromkeys(str(res.runs.get(r["run"], {}).get("commit")) for r in rows))
+    return ", ".join(dict.fromkeys(str(res.runs.get(r["run"], {}).get("commit"))[:7] for r in rows))
 
 
 def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str, **where) -> Dict[tuple, tuple]:
@@ -611,7 +611,7 @@ def sparse_headline(res: Results) -> Optional[List[str]]:
             rows = select(res.rows, op=op, metric=metric, provider=("SparseAdamW", "SparseAdam"))
             if not {"SparseAdamW", "SparseAdam"} <= {r["provider"] for r in rows}:
                 continue
-            shape = rows[-1]["shape"]
+            shape = rows[0]["shape"]  # the first stream measured (uniform ids in the throughput study)
             cells = {(r["provider"], r["mode"]): r for r in rows if r["shape"] == shape}
             parts, used = [], []
             for mode in ordered([m for p, m in cells if p == "SparseAdamW"], ("eager", "graph", "wall")):
@@ -702,6 +702,25 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
         line = sparse_headline(sparse)
         if line:
             out.append(line)
+    fsdp = studies.get("train_fsdp")
+    if fsdp is not None and select(fsdp.rows, metric="MFU %"):
+        best = max(select(fsdp.rows, metric="MFU %"), key=lambda r: r["p50"])
+        tokens = select(fsdp.rows, metric="tokens/s per GPU", op=best["op"], provider=best["provider"],
+                        shape=best["shape"])
+        text = f"{best['p50']:.1f}% MFU" + (f", {tokens[0]['p50']:,.0f} tokens/s" if tokens else "")
+        out.append([f"{best['op']} training on one GPU ({best['provider']}, batch {best['shape']})", text,
+                    _where(fsdp, [best])])
+    quant = studies.get("quant_gemm")
+    if quant is not None:
+        for op, provider, metric in (("int8 gemm", "fuselab int8", "TOP/s"), ("fp8 gemm", "fuselab fp8", "TFLOP/s")):
+            found = _ratio_rows(quant, op, provider, quant.baselines.get(op, ""), metric, mode="graph")
+            if found:
+                rows = [r for _, rs in found.values() for r in rs]
+                ratios = [v for v, _ in found.values()]
+                out.append([f"{provider} GEMM with fused epilogue vs {quant.baselines[op]} and the rest of the "
+                            "epilogue as torch ops (CUDA graph)",
+                            f"{geomean(ratios):.2f}x geometric mean, {min(ratios):.2f}x-{max(ratios):.2f}x "
+                            f"({len(found)} shapes)", _where(quant, rows)])
     mlp = studies.get("train_mlp")
     if mlp is not None:
         for op in ("train on cuda", "train on cpu"):

@@ -390,7 +390,7 @@ def main(argv=None) -> Results:
     results.set_baseline("fwd+bwd+step", OPTIMIZERS)
     results.set_baseline("step", OPTIMIZERS)
     rows = movielens_accuracy(ratings, epochs=args.epochs, dim=args.dim, batch=args.batch, device=device,
-                              results=results, name=args.data.name)
+                              results=results)  # the run notes the data file
     print(f"\nMovieLens-100k matrix factorisation ({args.data.name}), dim {args.dim}, batch {args.batch}, "
           f"{args.epochs} epochs, 90/10 split, on {device}:")
     print(markdown_table(list(rows[0]), [list(r.values()) for r in rows]))

@@ -13,7 +13,8 @@
        movielens-users, movielens-items      MovieLens-100k's real user / item ids (943 / 1,682 x 128)
 
    eager and replayed from a CUDA graph, for SparseAdamW, SparseAdam (the baseline), fused dense AdamW
-   and sparse Adagrad; peak memory; each optimizer's step alone, and SparseAdamW's against its bytes
+   and sparse Adagrad, beside the forward and sparse backward alone (provider ``fwd+bwd only``: the
+   part of a step no optimizer can shorten); peak memory; each optimizer's step alone, and SparseAdamW's against its bytes
    floor (gradient rows and ids read once, p, m, v of the touched rows read and written once, at the
    measured copy bandwidth). SparseAdam and Adagrad ``coalesce()`` the gradient, which waits for the
    host: they cannot be captured in a graph, and those cells are recorded as not measured.
@@ -90,6 +91,7 @@ def sparse_adagrad(params, device):
 
 
 DENSE = {"AdamW (dense, fused)"}  # its embeddings are dense (sparse=False)
+NO_STEP = "fwd+bwd only"  # the sparse forward and backward with no optimizer step: the shared floor
 CAPTURABLE = {"SparseAdamW", "AdamW (dense, fused)"}  # the others coalesce(): a host sync, no CUDA graph
 NOT_CAPTURABLE = "coalesce() waits for the host: the step cannot be captured in a CUDA graph"
 
@@ -261,6 +263,19 @@ def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, result
     ids_keys = dict(op="ids", provider="ids", shape=shape, dtype="int64", mode="n/a")
     results.record(metric="rows touched", value=sum(s[1] for s in stats) / len(stats), **ids_keys)
     results.record(metric="max lookups of one row", value=max(s[2] for s in stats), **ids_keys)
+    # What the sparse optimizers share, forward and sparse backward alone: the rest of a step is theirs.
+    emb = torch.nn.Embedding(rows, dim, sparse=True, device=device)
+
+    def fwd_bwd(ids, emb=emb):
+        emb.weight.grad = None
+        emb(ids).square().sum().backward()
+
+    shared = cycle(fwd_bwd, [(b,) for b in batches])
+    shared()
+    for mode in ("eager", "graph"):
+        results.record(op="fwd+bwd+step", provider=NO_STEP, shape=shape, dtype="fp32", mode=mode, metric="ms",
+                       value=time_call(shared, mode, rep_ms=rep_ms))
+    del emb, shared
     for provider, make in OPTIMIZERS.select(None).items():
         emb = torch.nn.Embedding(rows, dim, sparse=provider not in DENSE, device=device)
         opt = make(emb.parameters(), device)
@@ -313,7 +328,7 @@ def throughput_report(results: Results) -> str:
         return results.value(op=op, provider=provider, shape=shape, mode=mode, metric=metric)
 
     shapes = list(dict.fromkeys(r["shape"] for r in results.select(op="fwd+bwd+step")))
-    cols = [(p, m) for p in OPTIMIZERS.fns for m in ("eager", "graph")]
+    cols = [(p, m) for p in (NO_STEP, *OPTIMIZERS.fns) for m in ("eager", "graph")]
     header = ["stream"] + [f"{p} {m}" for p, m in cols] + ["SparseAdamW x SparseAdam (eager)"] + \
              [f"peak MiB {p}" for p in OPTIMIZERS.fns]
     lines, prose = [], []

@@ -14,10 +14,11 @@
 
    eager and replayed from a CUDA graph, for SparseAdamW, SparseAdam (the baseline), fused dense AdamW
    and sparse Adagrad, beside the forward and sparse backward alone (provider ``fwd+bwd only``: the
-   part of a step no optimizer can shorten); peak memory; each optimizer's step alone, and SparseAdamW's against its bytes
-   floor (gradient rows and ids read once, p, m, v of the touched rows read and written once, at the
-   measured copy bandwidth). SparseAdam and Adagrad ``coalesce()`` the gradient, which waits for the
-   host: they cannot be captured in a graph, and those cells are recorded as not measured.
+   part of a step no optimizer can shorten); peak memory; each optimizer's step alone, and
+   SparseAdamW's against its bytes floor (gradient rows and ids read once, p, m, v of the touched rows
+   read and written once, at the measured copy bandwidth). SparseAdam and Adagrad ``coalesce()`` the
+   gradient, which waits for the host: they cannot be captured in a graph, and those cells are recorded
+   as not measured.
 
 Study ``sparse_embedding`` (long format, ``experiments/harness.py``): ops ``fwd+bwd+step`` and
 ``step`` (metrics ``ms``, ``peak MiB``; SparseAdamW's ``step`` also ``x floor``, and provider

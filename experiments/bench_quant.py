@@ -1,6 +1,6 @@
 """Benchmark fuselab's INT8 and FP8 GEMMs (scales, bias and ReLU fused into the epilogue) against
 PyTorch's, and an OPT decoder's prefill quantized by ``fuselab.quant.quantize_`` against bf16, in one
-process, on the same inputs (issue 20).
+process, on the same inputs.
 
 Ops and providers (the first one named is each op's baseline; the report computes ``x <baseline>``):
 

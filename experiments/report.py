@@ -63,6 +63,7 @@ class Plot:
     ratio_to: Optional[Tuple[str, ...]] = None
     ylabel: str = ""
     title: str = ""
+    x: Optional[str] = None  # a row field (a training step, say): lines of ``metric`` against it, one per ``bar``
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ and `CUDA naive` (the tutorial's one-thread-per-output kernel, fp32)"""
 COMPILE_ORDERS = {"op": ["resnet50 train", "resnet50 infer", "opt train", "opt infer"],
                   "provider": ["resnet50", "opt", "opt+fuselab", "opt-norelu"],
                   "dtype": ["fp32", "tf32", "bf16"], "mode": ["eager", "default", "reduce-overhead", "max-autotune"]}
-MATMUL_ORDERS = {"op": ["fwd", "fwd-nobias", "fwd+bwd"], "dtype": ["bf16", "fp16", "tf32"],
+MATMUL_ORDERS = {"op": ["fwd", "fwd-nobias", "fwd+bwd"],
+                 "dtype": ["bf16", "bf16, B=weight.t()", "fp16", "fp16, B=weight.t()", "tf32", "tf32, B=weight.t()"],
                  "mode": ["eager", "graph"],
                  "provider": ["cuBLASLt", "relu(mm)", "autograd", "fuselab", "relu(addmm)", "inductor", "CUDA mma",
                               "CUDA wgmma", "CUDA SIMT (exact fp32)", "CUDA naive"]}
@@ -107,6 +109,12 @@ MATMUL_VIEWS = (
     View("TFLOP/s", index=("shape", "mode"), split=("op", "dtype"), geomean_by=("mode",),
          title="{op}, {dtype}: TFLOP/s"),
     View("rel err", index=("shape", "dtype"), baseline=None, ops=("fwd",), title="{op}: relative error vs float64"),
+    View("% bytes floor", index=("shape", "mode"), baseline=None, split=("op", "dtype"),
+         title="{op}, {dtype}: % of the bytes floor",
+         note="The time to read a and b once (and the bias) and write the output once at the run's measured "
+              "copy bandwidth (`copy_gbs` under Runs), as a percentage of the measured time: 100 is the HBM "
+              "floor, what a memory-bound shape (decode, small M) can reach. `B=weight.t()` rows take B as "
+              "nn.Linear does (a contiguous (N, K) weight, transposed); the others a contiguous (K, N) B."),
 )
 
 QUANT_PROSE = """\
@@ -211,6 +219,24 @@ the `run` column names each line's runs, listed at the end.""",
         orders=COMPILE_ORDERS,
         plot=Plot("ms/step", group=("op", "dtype", "provider"), bar=("mode",), ratio_to=("eager",),
                   ylabel="speedup vs eager (same model, task, precision)", title="torch.compile")),
+    "train_fsdp": Spec(
+        title="GPT-2 1.31B training (FSDP2 / one GPU)",
+        prose="""\
+transformers' GPT2LMHeadModel (d 2048, 24 layers, 16 heads, 1,024 tokens a sequence) trained on GPT-2
+BPE ids of the Python docs (Debian python3.11-doc's reST sources) by `experiments/train_fsdp.py`: AdamW
+(fused), warm-up then cosine, bf16 (autocast on one rank, FSDP2 bf16 parameters with fp32 reduction
+on several), `--compile` per block. Throughput over timed windows after the first steps; MFU per GPU
+= tokens/s x (6 N + 12 L d T) / 989.4 TFLOP/s (the H200's dense BF16 peak); see the script's
+docstring. The curve is the training loss of every logged window; `val loss` is on the held-out
+tail of the corpus (`--corpus`: the ids as a tensor, written by `--export-tokens` where the docs
+and tiktoken are). The issue's target is >= 45% MFU at batch 8 x 1024 on one H200.""",
+        command="python -m experiments.train_fsdp --corpus data/python-docs-gpt2.pt --steps 300 --compile --results",
+        views=tuple(View(m, index=("op", "shape"), baseline=None, split=(), title=m)
+                    for m in ("tokens/s per GPU", "MFU %", "TFLOP/s per GPU", "step ms", "peak MiB", "val loss")),
+        hide=("loss", "tokens/s", "peak reserved MiB"),
+        plot=Plot("loss", group=("op",), bar=("provider",), x="step", ylabel="training loss",
+                  title="GPT-2 1.31B: training loss"),
+    ),
     "train_mlp": Spec(
         title="Fashion-MNIST MLP, stock vs fuse_linear_relu",
         prose="""\
@@ -494,6 +520,28 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def _plot_curves(rows: List[dict], p: Plot, path: Path, plt) -> Path:
+    """Lines of ``p.metric`` against the row field ``p.x``, one per ``p.bar`` tuple and ``p.group`` tuple."""
+    lines: Dict[tuple, List[Tuple[float, float]]] = {}
+    for r in rows:
+        if r.get(p.x) is not None:
+            lines.setdefault(tuple(r[k] for k in p.group + p.bar), []).append((r[p.x], r["p50"]))
+    fig, ax = plt.subplots(figsize=(8.0, 4.8))
+    for label, points in sorted(lines.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker=".", label=" / ".join(str(v) for v in label))
+    ax.set_xlabel(p.x)
+    ax.set_ylabel(p.ylabel or p.metric)
+    ax.set_title(p.title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
 def tick_label(group: tuple) -> str:
     """A cluster's label, a line per key; a value that begins another ("resnet50", "resnet50 train") is
     left out, and spaces break lines."""
@@ -513,6 +561,8 @@ def plot_study(res: Results, spec: Spec, path: Path) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if p.x is not None:
+        return _plot_curves(rows, p, path, plt)
     value = {(tuple(r[k] for k in p.group), tuple(r[k] for k in p.bar)): r for r in rows}
     groups = sort_keys([g for g, _ in value], p.group, spec.orders)
     bars = sort_keys([b for _, b in value], p.bar, spec.orders)

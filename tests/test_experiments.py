@@ -402,7 +402,139 @@ def test_compile_speedup_passes_alternate_and_average(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# The quantized GEMM benchmark (issue 20)
+# The matmul-ReLU benchmark
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_matmul_relu_shape_names_give_their_sizes():
+    dims = bench_matmul_relu.shape_dims
+    assert dims("decode-1 1x11008x4096") == (1, 11008, 4096)  # M = 1: one token
+    assert dims("decode-16 16x11008x4096") == (16, 11008, 4096)
+    assert dims("unaligned 3001x4099x1537") == (3001, 4099, 1537)
+    assert dims("unaligned-k 4096x4096x4095") == (4096, 4096, 4095)
+    assert dims("unaligned-n 4096x4095x4096") == (4096, 4095, 4096)
+    assert dims("gpt2-medium-mlp 4096x4096x1024") == (4096, 4096, 1024) and dims("64x4096x4096") == (64, 4096, 4096)
+    for bad in ("", "decode", "4096x4096", "0x8x8", "8x8x-8", "8x8x8x8", "8x8x8 decode"):
+        with pytest.raises(ValueError, match="MxNxK"):
+            dims(bad)
+    shapes = bench_matmul_relu.SHAPES
+    assert all(shapes[name] == dims(name) for name in shapes)
+    assert len(set(shapes.values())) == len(shapes), "two names for one shape: their rows would not merge"
+    # the names results/matmul_relu.json rows use stay
+    for name in ("8192x8192x8192", "4096x4096x4096", "8192x8192x1024", "8192x8192x256", "16384x4096x512",
+                 "1024x2048x512", "64x4096x4096", "gpt2-medium-mlp 4096x4096x1024", "7b-mlp 4096x11008x4096"):
+        assert name in shapes and name in bench_matmul_relu.DEFAULT
+    # sizes name the shape they belong to; other sizes are their own shape; a typo is named
+    resolve = bench_matmul_relu.resolve_shapes
+    assert resolve("16x11008x4096,4096x11008x4096, 5x6x7") == [
+        "decode-16 16x11008x4096", "7b-mlp 4096x11008x4096", "5x6x7"]
+    assert resolve("decode-1,llama-ffn,64x4096x4096") == [
+        "decode-1 1x11008x4096", "llama-ffn 8192x14336x4096", "64x4096x4096"]  # a label names its shape
+    assert resolve("none") == [] and resolve("all") == list(shapes)
+    with pytest.raises(ValueError, match=r"unknown shapes \['decode-2'\]"):
+        resolve("decode-1,decode-2")
+    labels = [name.split()[0] for name in shapes]
+    assert len(set(labels)) == len(labels)
+
+
+def test_bench_matmul_relu_bytes_floor():
+    # bf16 decode, 1 x 11008 x 4096: a 4096, b 4096 * 11008, bias 11008, y 11008 elements, 2 bytes each
+    assert bench_matmul_relu.floor_bytes("fwd", 1, 11008, 4096, 2) == 2 * (4096 + 45_088_768 + 11008 + 11008)
+    assert bench_matmul_relu.floor_bytes("fwd", 2, 3, 4, 4) == (8 + 12 + 3 + 6) * 4 == 116
+    assert bench_matmul_relu.floor_bytes("fwd-nobias", 2, 3, 4, 4) == (8 + 12 + 6) * 4
+    # 1000 x 1000 x 1000 tf32 without bias: 3e6 elements of 4 bytes, 12 MB at 3000 GB/s move in 4 us
+    assert bench_matmul_relu.floor_ms("fwd-nobias", "1000x1000x1000", "tf32", 3000.0) == pytest.approx(0.004)
+    assert bench_matmul_relu.floor_ms("fwd", "2x3x4", "bf16", 1.0) == pytest.approx(58 / 1e9 * 1e3)
+
+
+def test_bench_matmul_relu_coverage_plan(capsys):
+    # --list needs no GPU: the jobs of `--shapes coverage` are the coverage shapes, every peer in both modes
+    jobs = bench_matmul_relu.main(["--list", "--shapes", "coverage"])
+    out = capsys.readouterr().out
+    issue = {(8192, 8192, 8192), (8192, 14336, 4096), (16384, 8192, 2048), (8192, 8192, 1024), (8192, 8192, 256),
+             (65536, 1024, 256), (3001, 4099, 1537), (512, 1024, 1024), (1024, 2048, 512), (64, 4096, 4096),
+             (16, 11008, 4096)}  # its table
+    asked = {(1, 11008, 4096), (64, 11008, 4096), (4096, 4096, 4095), (4096, 4095, 4096)}  # decode M, unaligned K, N
+    fwd_bwd = {(8192, 8192, 1024), (4096, 11008, 4096), (8192, 4096, 1024), (2048, 3072, 768)}
+    dims = bench_matmul_relu.shape_dims
+    fwd = [s for op, s, d, _ in jobs if op == "fwd" and d == "bf16"]
+    assert issue | asked <= {dims(s) for s in fwd} and len(fwd) == len(set(fwd))
+    assert {dims(s) for op, s, d, _ in jobs if op == "fwd+bwd" and d == "bf16"} == fwd_bwd | {(4096, 4096, 4096)}
+    assert {dims(s) for op, s, d, _ in jobs if d == "tf32" and op == "fwd"} == {
+        (4096, 4096, 4096), (8192, 8192, 1024), (1024, 2048, 512)}
+    assert {layout for *_, layout in jobs} == {"row-major"}
+    assert "decode-1 1x11008x4096" in out and "cuBLASLt, fuselab, relu(addmm), inductor" in out
+    assert f"{len(jobs)} jobs" in out
+    # tf32 in both B layouts; the default run and --quick stay as they were (fwd+bwd at one shape in --quick)
+    jobs = bench_matmul_relu.main(["--list", "--shapes", "coverage", "--dtypes", "tf32", "--ops", "fwd,fwd+bwd",
+                                   "--b-layouts", "row-major,weight"])
+    assert sorted({(op, layout) for op, _, _, layout in jobs}) == [
+        ("fwd", "row-major"), ("fwd", "weight"), ("fwd+bwd", "row-major"), ("fwd+bwd", "weight")]
+    assert len(jobs) == 2 * (3 + 2)
+    default = bench_matmul_relu.main(["--list"])
+    assert [s for op, s, d, _ in default if op == "fwd" and d == "bf16"] == bench_matmul_relu.DEFAULT
+    assert len(default) == 50
+    assert bench_matmul_relu.main(["--list", "--shapes", "decode-1,5x6x7", "--dtypes", "tf32", "--tf32-shapes", "all",
+                                   "--ops", "fwd"]) == [("fwd", "decode-1 1x11008x4096", "tf32", "row-major"),
+                                                        ("fwd", "5x6x7", "tf32", "row-major")]
+    assert bench_matmul_relu.main(["--list", "--quick"]) == [
+        *[("fwd", s, "bf16", "row-major") for s in bench_matmul_relu.QUICK],
+        *[("fwd-nobias", s, "bf16", "row-major") for s in bench_matmul_relu.QUICK],
+        ("fwd+bwd", "8192x8192x1024", "bf16", "row-major")]
+
+
+@pytest.mark.parametrize("flag, value, field", [
+    ("--shapes", "decode-2", "unknown shapes"), ("--shapes", "8x8", "unknown shapes"),
+    ("--tf32-shapes", "4096", "unknown shapes"), ("--b-layouts", "column-major", "unknown B layouts"),
+    ("--dtypes", "fp8", "unknown dtypes")])
+def test_bench_matmul_relu_unknown_names_are_usage_errors(capsys, outdirs, flag, value, field):
+    err = usage_error(capsys, bench_matmul_relu.main, [flag, value])
+    assert field in err and value in err
+    assert not outdirs[0].exists() and not outdirs[1].exists()
+
+
+def test_bench_matmul_relu_measures_every_peer_in_both_modes_on_a_cpu(monkeypatch):
+    # The measurement code on a CPU at a tiny odd shape, timing stubbed: every provider in eager and graph
+    # mode, the B layout in the dtype label, % bytes floor for the forward ops, the weight's gradient reset.
+    import types
+
+    timed, reset = [], []
+
+    def one_call(fn, mode, grad_to_none=None, **kwargs):
+        fn()
+        timed.append(mode)
+        reset.append(grad_to_none)
+        return Timing(1.0, 2.0, 4.0)
+
+    monkeypatch.setattr(bench_matmul_relu, "time_call", one_call)
+    args = types.SimpleNamespace(modes=["eager", "graph"], rep_ms=1, providers={}, cuda=False, inductor=set())
+    res = Results(bench_matmul_relu.STUDY)
+    for op in bench_matmul_relu.OPS:
+        res.set_baseline(op, bench_matmul_relu.PROVIDERS[op])
+        bench_matmul_relu.measure(res, op, "3x5x7", "tf32", args, "weight", bandwidth_gbs=1.0, device="cpu")
+    label = "tf32, B=weight.t()"
+    for op, peers in (("fwd", {"cuBLASLt", "fuselab", "relu(addmm)"}), ("fwd-nobias", {"relu(mm)", "fuselab"}),
+                      ("fwd+bwd", {"autograd", "fuselab"})):
+        rows = res.select(op=op, metric="TFLOP/s")
+        assert {(r["provider"], r["mode"]) for r in rows} == {(p, m) for p in peers for m in ("eager", "graph")}
+        assert {r["dtype"] for r in rows} == {label}
+    floor = bench_matmul_relu.floor_ms("fwd", "3x5x7", "tf32", 1.0)  # (21 + 35 + 5 + 15) * 4 bytes at 1 GB/s
+    assert floor == pytest.approx(304e-6)
+    pct = res.select(op="fwd", provider="fuselab", mode="graph", metric="% bytes floor")[0]
+    assert (pct["p20"], pct["p50"], pct["p80"]) == pytest.approx((100 * floor / 4, 100 * floor / 2, 100 * floor))
+    assert not res.select(op="fwd+bwd", metric="% bytes floor") and len(res.select(op="fwd-nobias",
+                                                                                   metric="% bytes floor")) == 4
+    for provider in ("cuBLASLt", "fuselab", "relu(addmm)"):
+        assert res.value(op="fwd", provider=provider, metric="rel err") < 1e-2
+    assert not res.failed and len(timed) == 2 * (3 + 2 + 2)
+    leaves = reset[-1]  # fwd+bwd: a, the weight (not its transposed view) and the bias
+    assert [tuple(t.shape) for t in leaves[:3]] == [(3, 7), (5, 7), (5,)] and all(t.is_leaf for t in leaves)
+    page = report.render_study(res)
+    assert "### fwd, tf32, B=weight.t(): % of the bytes floor" in page and "fuselab x cuBLASLt" in page
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantized GEMM benchmark
 # ----------------------------------------------------------------------------------------------
 
 
@@ -549,7 +681,7 @@ def test_report_ratios_come_from_rows():
 def test_report_writes_docs_plots_and_headline(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()
-    for name in ("host_overhead", "train_mlp", "matmul_relu_cuda"):
+    for name in ("host_overhead", "train_mlp", "matmul_relu_cuda", "train_fsdp"):
         shutil.copy(harness.RESULTS / f"{name}.json", results)
     (results / "old.json").write_text(json.dumps({"environment": {}, "rows": []}))  # not the long format: skipped
     readme = tmp_path / "README.md"
@@ -559,11 +691,12 @@ def test_report_writes_docs_plots_and_headline(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().err
     assert sorted(p.name for p in docs.iterdir()) == [
         "README.md", "host_overhead.md", "host_overhead.png", "matmul_relu_cuda.md", "matmul_relu_cuda.png",
-        "train_mlp.md"]
+        "train_fsdp.md", "train_fsdp.png", "train_mlp.md"]  # train_fsdp's plot: the loss curve
     text = readme.read_text()
     head = text.split("<!-- results:headline -->")[1].split("<!-- /results:headline -->")[0]
     assert "stale" not in head and text.startswith("# x\n\nintro\n") and text.endswith("\n\nrest\n")
     assert "| figure | value | measured |" in head and "vs cuBLASLt" in head and "MLP test accuracy" in head
+    assert "% MFU" in head
     report.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme), "--no-plots"])
     assert readme.read_text() == text  # regenerating changes nothing
     readme.write_text("# no markers\n")

@@ -141,7 +141,8 @@ tokens; `wall` mode: synchronized, per forward): baseline **`fuselab bf16`** (pa
 Linear including lm_head; its `rel err` is the first sequence's logits against the stock model's.
 The issue's target is a quantized prefill at least 1.3x faster than `fuselab bf16`. Shapes or
 GPUs a provider refuses (cuBLAS's 8-bit GEMMs need M > 16 and K, N multiples of 8 or 16; fp8
-needs compute capability 8.9) are listed under "Not measured"."""
+needs compute capability 8.9) are listed under "Not measured"; an op with no table below has not
+been run yet."""
 
 QUANT_PROVIDERS = ["_int_mm", "_int_mm row-major B", "_scaled_mm", "_scaled_mm fast accum", "fuselab int8",
                    "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8"]
@@ -231,7 +232,7 @@ docstring. The curve is the training loss of every logged window; `val loss` is 
 tail of the corpus (`--corpus`: the ids as a tensor, written by `--export-tokens` where the docs
 and tiktoken are). The issue's target is >= 45% MFU at batch 8 x 1024 on one H200.""",
         command="python -m experiments.train_fsdp --corpus data/python-docs-gpt2.pt --steps 300 --compile --results",
-        views=tuple(View(m, index=("op", "shape"), baseline=None, split=(), title=m)
+        views=tuple(View(m, index=("op", "shape", "dtype"), baseline=None, split=(), title=m)
                     for m in ("tokens/s per GPU", "MFU %", "TFLOP/s per GPU", "step ms", "peak MiB", "val loss")),
         hide=("loss", "tokens/s", "peak reserved MiB"),
         plot=Plot("loss", group=("op",), bar=("provider",), x="step", ylabel="training loss",
@@ -521,11 +522,14 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
 
 
 def _plot_curves(rows: List[dict], p: Plot, path: Path, plt) -> Path:
-    """Lines of ``p.metric`` against the row field ``p.x``, one per ``p.bar`` tuple and ``p.group`` tuple."""
+    """Lines of ``p.metric`` against the row field ``p.x``, one per ``p.group`` + ``p.bar`` tuple and, where
+    they vary, shape, dtype and mode too: rows of two runs that differ there are never one line."""
+    keys = p.group + p.bar + tuple(k for k in ("op", "provider", "shape", "dtype", "mode")
+                                   if k not in p.group + p.bar and len({r[k] for r in rows}) > 1)
     lines: Dict[tuple, List[Tuple[float, float]]] = {}
     for r in rows:
         if r.get(p.x) is not None:
-            lines.setdefault(tuple(r[k] for k in p.group + p.bar), []).append((r[p.x], r["p50"]))
+            lines.setdefault(tuple(r[k] for k in keys), []).append((r[p.x], r["p50"]))
     fig, ax = plt.subplots(figsize=(8.0, 4.8))
     for label, points in sorted(lines.items()):
         xs, ys = zip(*sorted(points))
@@ -652,7 +656,7 @@ def r_dtype(found: Dict[tuple, tuple], shape: str, mode: str) -> str:
 
 
 def sparse_headline(res: Results) -> Optional[List[str]]:
-    """SparseAdamW against SparseAdam, the whole training step of the largest shape measured, per mode;
+    """SparseAdamW against SparseAdam, the whole training step of the first stream in the file, per mode;
     SparseAdam cannot be replayed from a CUDA graph (its coalesce() waits for the host), so a mode it
     lacks is compared with its eager time, and says so."""
     ops = [op for op, base in res.baselines.items() if base == "SparseAdam"]
@@ -756,9 +760,12 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
     if fsdp is not None and select(fsdp.rows, metric="MFU %"):
         best = max(select(fsdp.rows, metric="MFU %"), key=lambda r: r["p50"])
         tokens = select(fsdp.rows, metric="tokens/s per GPU", op=best["op"], provider=best["provider"],
-                        shape=best["shape"])
-        text = f"{best['p50']:.1f}% MFU" + (f", {tokens[0]['p50']:,.0f} tokens/s" if tokens else "")
-        out.append([f"{best['op']} training on one GPU ({best['provider']}, batch {best['shape']})", text,
+                        shape=best["shape"], dtype=best["dtype"], mode=best["mode"])
+        world = int(best.get("world_size") or 1)  # the best MFU may come from an FSDP run on several GPUs
+        per_gpu = "" if world == 1 else " per GPU"
+        text = f"{best['p50']:.1f}% MFU" + (f", {tokens[0]['p50']:,.0f} tokens/s{per_gpu}" if tokens else "")
+        gpus = "one GPU" if world == 1 else f"{world} GPUs"
+        out.append([f"{best['op']} training on {gpus} ({best['provider']}, batch {best['shape']})", text,
                     _where(fsdp, [best])])
     quant = studies.get("quant_gemm")
     if quant is not None:

@@ -678,6 +678,40 @@ def test_report_ratios_come_from_rows():
     assert "| opt train | bf16 | opt | 40.0 | 32.0 | 1.25 |" in report.render_study(comp)
 
 
+def test_report_training_runs_stay_apart(tmp_path):
+    # Two train_fsdp runs of one model: the headline names the GPUs of the best MFU's run, and the loss
+    # curves of one provider at two batch shapes are two lines, not one zigzag.
+    res = Results("train_fsdp")
+    for provider, shape, world, mfu in (("single+compile", "1x8x1024", 1, 40.0), ("fsdp+compile", "2x8x1024", 2, 42.0),
+                                        ("fsdp+compile", "2x16x1024", 2, 41.0)):
+        keys = dict(op="gpt2-1.31B", provider=provider, shape=shape, dtype="bf16", mode="wall")
+        res.record(metric="MFU %", value=mfu, world_size=world, **keys)
+        res.record(metric="tokens/s per GPU", value=1000.0 * mfu, world_size=world, **keys)
+        for step in (10, 20):
+            res.record(metric="loss", value=mfu / step, step=step, **keys)
+    line = [r for r in report.headline_rows({"train_fsdp": res}) if "MFU" in r[1]][0]
+    assert line[0] == "gpt2-1.31B training on 2 GPUs (fsdp+compile, batch 2x8x1024)"
+    assert line[1] == "42.0% MFU, 42,000 tokens/s per GPU"
+    drawn = []
+
+    class Axes:
+        def plot(self, xs, ys, label, **kwargs):
+            drawn.append((label, list(xs)))
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    class Figure(Axes):
+        pass
+
+    plt = mock.Mock()
+    plt.subplots.return_value = (Figure(), Axes())
+    report._plot_curves(res.select(metric="loss"), report.SPECS["train_fsdp"].plot, tmp_path / "p.png", plt)
+    assert sorted(drawn) == [("gpt2-1.31B / fsdp+compile / 2x16x1024", [10, 20]),
+                             ("gpt2-1.31B / fsdp+compile / 2x8x1024", [10, 20]),
+                             ("gpt2-1.31B / single+compile / 1x8x1024", [10, 20])]
+
+
 def test_report_writes_docs_plots_and_headline(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()

@@ -44,11 +44,11 @@ from experiments.harness import (
     add_output_args,
     non_negative_int,
     output_path,
+    parse_device,
     peak_memory_mib,
     pivot,
     positive_float,
     positive_int,
-    require_cuda,
     time_call,
     time_first_call,
 )
@@ -228,12 +228,7 @@ def main(argv=None):
                    "its configurations (machine drift hits all of them alike); rows report the mean")
     add_output_args(p)
     args = p.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        p.error(f"--device {args.device!r}: {e}")
-    if device.type == "cuda":
-        require_cuda("compile_speedup on --device cuda")
+    device = parse_device(p, args.device, STUDY)
     grid = parse_plan(args, p)
     out = output_path(args, STUDY)
     results = Results(STUDY)

@@ -73,6 +73,7 @@ from experiments.harness import (
     markdown_table,
     non_negative_int,
     output_path,
+    parse_device,
     positive_float,
     positive_int,
     require_cuda,
@@ -546,9 +547,7 @@ def parse_args(argv):
 def main(argv=None):
     p, args = parse_args(argv)
     out = output_path(args, STUDY)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        require_cuda("distill_quantize --device cuda")
+    device = parse_device(p, args.device, STUDY)
     if args.gpu:  # asked for explicitly
         require_cuda("distill_quantize --gpu")
     gpu_part = args.gpu if args.gpu is not None else device.type == "cuda"

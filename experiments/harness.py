@@ -231,6 +231,18 @@ def require_cuda(what: str) -> None:
         raise SystemExit(f"{what} needs a CUDA GPU (none found); run it on a GPU machine")
 
 
+def parse_device(p: argparse.ArgumentParser, text: str, study: str) -> torch.device:
+    """``--device``'s value as a device: a parser error when torch cannot read it, and
+    ``require_cuda``'s exit for a CUDA device on a machine without one."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        p.error(f"--device {text!r}: {e}")
+    if device.type == "cuda":
+        require_cuda(f"{study} --device cuda")
+    return device
+
+
 # ----------------------------------------------------------------------------------------------
 # Tables
 # ----------------------------------------------------------------------------------------------

@@ -147,21 +147,19 @@ been run yet."""
 QUANT_PROVIDERS = ["_int_mm", "_int_mm row-major B", "_scaled_mm", "_scaled_mm fast accum", "fuselab int8",
                    "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8"]
 
+def _matmul_spec(title: str, cuda_prose: str, command_args: str, plot_suffix: str) -> Spec:
+    """The page of ``bench_matmul_relu``'s study, with or without the CUDA C++ reference."""
+    return Spec(title=title, prose=MATMUL_PROSE.format(cuda=cuda_prose),
+                command=f"python -m experiments.bench_matmul_relu{command_args} --results",
+                views=MATMUL_VIEWS, hide=("ms",), orders=MATMUL_ORDERS,
+                plot=Plot("TFLOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "fwd", "dtype": "bf16"},
+                          ylabel="TFLOP/s (bf16, M x N x K)", title=f"relu(a @ b + bias), bf16{plot_suffix}"))
+
+
 SPECS: Dict[str, Spec] = {
-    "matmul_relu": Spec(
-        title="Fused matmul-ReLU vs cuBLASLt",
-        prose=MATMUL_PROSE.format(cuda=""),
-        command="python -m experiments.bench_matmul_relu --results",
-        views=MATMUL_VIEWS, hide=("ms",), orders=MATMUL_ORDERS,
-        plot=Plot("TFLOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "fwd", "dtype": "bf16"},
-                  ylabel="TFLOP/s (bf16, M x N x K)", title="relu(a @ b + bias), bf16")),
-    "matmul_relu_cuda": Spec(
-        title="CUDA C++ reference vs Triton and cuBLASLt",
-        prose=MATMUL_PROSE.format(cuda=CUDA_PROSE),
-        command="python -m experiments.bench_matmul_relu --cuda --ops fwd --results",
-        views=MATMUL_VIEWS, hide=("ms",), orders=MATMUL_ORDERS,
-        plot=Plot("TFLOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "fwd", "dtype": "bf16"},
-                  ylabel="TFLOP/s (bf16, M x N x K)", title="relu(a @ b + bias), bf16, CUDA C++ reference")),
+    "matmul_relu": _matmul_spec("Fused matmul-ReLU vs cuBLASLt", "", "", ""),
+    "matmul_relu_cuda": _matmul_spec("CUDA C++ reference vs Triton and cuBLASLt", CUDA_PROSE, " --cuda --ops fwd",
+                                     ", CUDA C++ reference"),
     "cuda_tiles": Spec(
         title="CUDA C++ mma.sync kernel: build-time tile sweep",
         prose="""\

@@ -53,6 +53,7 @@ from experiments.harness import (
     cycle,
     markdown_table,
     output_path,
+    parse_device,
     peak_memory_mib,
     positive_int,
     require_cuda,
@@ -390,12 +391,7 @@ def main(argv=None) -> Results:
             p.error(f"--streams: unknown {unknown}; known: {', '.join(STREAMS)}")
     if args.throughput:
         require_cuda("sparse_embedding --throughput")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        p.error(f"--device {args.device!r}: {e}")
-    if device.type == "cuda":
-        require_cuda("sparse_embedding --device cuda")
+    device = parse_device(p, args.device, STUDY)
     out = output_path(args, STUDY)
     ratings = load_ratings(args.data)  # every input is read before any measurement
     tokens = load_tokens(args.tokens, args.corpus, args.sdist) if args.throughput and "gpt2" in names else None

@@ -33,7 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from experiments import data, harness
-from experiments.training import decay_groups, warmup_cosine_schedule
+from experiments.training import add_run_args, decay_groups, finish_run_args, run_distributed, warmup_cosine_schedule
 from fuselab import distributed as fd
 
 STUDY = "train_ddp"
@@ -62,36 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (SyncBatchNorm)")
     p.add_argument("--limit-train", type=harness.positive_int, default=None, help="use the first N training images")
     p.add_argument("--limit-test", type=harness.positive_int, default=None, help="use the first N test images")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 autocast on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model (DDPOptimizer)")
-    p.add_argument("--checkpoint-dir", type=Path, default=None)
-    p.add_argument("--checkpoint-every", type=harness.non_negative_int, default=0,
-                   help="steps between saves (0: at each epoch's end only)")
-    p.add_argument("--keep", type=harness.positive_int, default=3)
-    p.add_argument("--async-checkpoint", action="store_true")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--log-every", type=harness.positive_int, default=20)
-    p.add_argument("--timing-skip", type=harness.non_negative_int, default=20)
-    p.add_argument("--timeout", type=harness.positive_float, default=600.0, help="collective timeout, seconds")
+    add_run_args(p, log_every=20, timing_skip=20,
+                 checkpoint_every_help="steps between saves (0: at each epoch's end only)")
     harness.add_output_args(p)
     args = p.parse_args(argv)
-    if args.tiny:
-        defaults = {a.dest: a.default for a in p._actions}
-        for key, value in dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2).items():
-            if getattr(args, key) == defaults[key]:
-                setattr(args, key, value)
+    finish_run_args(p, args, tiny=dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2))
     if args.warmup_epochs < 0:
         p.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if not 0 <= args.momentum < 1:
         p.error(f"--momentum must be in [0, 1), got {args.momentum}")
-    if args.resume and args.checkpoint_dir is None:
-        p.error("--resume needs --checkpoint-dir")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA device (use --device cpu)")
-    if args.precision is None:
-        args.precision = "bf16" if args.device == "cuda" else "fp32"
     return args
 
 
@@ -159,11 +139,7 @@ def sync_buffers(module) -> None:
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    rt = fd.init(args.device, timeout_s=args.timeout)
-    rows = train(args, rt)
-    fd.shutdown()
-    return rows
+    return run_distributed(train, parse_args(argv))
 
 
 def train(args, rt):

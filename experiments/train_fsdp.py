@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from experiments import data, harness
-from experiments.training import decay_groups, warmup_cosine_schedule
+from experiments.training import add_run_args, decay_groups, finish_run_args, run_distributed, warmup_cosine_schedule
 from fuselab import distributed as fd
 
 STUDY = "train_fsdp"
@@ -82,11 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--warmup", type=harness.non_negative_int, default=30, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
-    g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("speed and memory")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                   help="default: bf16 on CUDA (FSDP mixed precision or autocast), fp32 on the CPU")
     g.add_argument("--shard", choices=("auto", "always", "never"), default="auto",
                    help="FSDP2: auto = when world size > 1; never = whole model (DDP on several ranks)")
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
@@ -95,8 +91,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--compile-mode", default=None, help="torch.compile mode (e.g. max-autotune-no-cudagraphs)")
     g.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     g.add_argument("--no-tf32", dest="tf32", action="store_false", help="exact fp32 matmuls (default: tf32 allowed)")
-    g.add_argument("--timing-skip", type=harness.non_negative_int, default=10,
-                   help="first steps left out of the throughput (compilation, warm-up)")
     g.add_argument("--peak-tflops", type=harness.positive_float, default=None,
                    help=f"per-GPU peak for MFU (default on CUDA: {H200_BF16_DENSE_TFLOPS}, H200 dense BF16)")
     g = p.add_argument_group("data")
@@ -109,34 +103,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="micro-batches per rank for the final validation loss (0: none)")
     g.add_argument("--export-tokens", type=Path, default=None,
                    help="write the corpus's token ids (uint16 .pt) to this file and exit")
-    g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--checkpoint-dir", type=Path, default=None)
-    g.add_argument("--checkpoint-every", type=harness.non_negative_int, default=0,
-                   help="steps between saves (0: only at the end)")
-    g.add_argument("--keep", type=harness.positive_int, default=3, help="complete checkpoints kept")
-    g.add_argument("--async-checkpoint", action="store_true", help="dcp.async_save: write while training goes on")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    g.add_argument("--log-every", type=harness.positive_int, default=10)
-    g.add_argument("--timeout", type=harness.positive_float, default=600.0, help="collective timeout, seconds")
+    add_run_args(p.add_argument_group("run: device, checkpoints, timing"), log_every=10, timing_skip=10,
+                 checkpoint_every_help="steps between saves (0: only at the end)")
     harness.add_output_args(p)
     args = p.parse_args(argv)
-    if args.tiny:
-        defaults = {a.dest: a.default for a in p._actions}
-        for key, value in TINY.items():
-            if getattr(args, key) == defaults[key]:
-                setattr(args, key, value)
+    finish_run_args(p, args, tiny=TINY)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if not 0 <= args.dropout < 1:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if not 0 <= args.min_lr_ratio <= 1:
         p.error(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-    if args.resume and args.checkpoint_dir is None:
-        p.error("--resume needs --checkpoint-dir")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA device (use --device cpu)")
-    if args.precision is None:
-        args.precision = "bf16" if args.device == "cuda" else "fp32"
     if args.peak_tflops is None and args.device == "cuda":
         args.peak_tflops = H200_BF16_DENSE_TFLOPS
     return args
@@ -254,10 +231,7 @@ def main(argv=None):
         torch.save(ids.to(torch.uint16), args.export_tokens)
         print(f"wrote {len(ids):,} token ids to {args.export_tokens}")
         return None
-    rt = fd.init(args.device, timeout_s=args.timeout)
-    rows = train(args, rt)
-    fd.shutdown()
-    return rows
+    return run_distributed(train, args)
 
 
 def train(args, rt):

@@ -27,10 +27,10 @@ from experiments.harness import (
     add_output_args,
     cycle,
     output_path,
+    parse_device,
     pivot,
     positive_float,
     positive_int,
-    require_cuda,
     time_call,
 )
 
@@ -102,12 +102,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_output_args(p)
     args = p.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        p.error(f"--device {args.device!r}: {e}")
-    if device.type == "cuda":
-        require_cuda("train_mlp --device cuda")
+    device = parse_device(p, args.device, STUDY)
     out = output_path(args, STUDY)
     try:
         splits, name = load(args.data)

@@ -1,8 +1,57 @@
-"""What the training experiments share: the learning-rate schedule and the weight-decay groups."""
+"""What the training experiments share: their run arguments (device, precision, checkpoints, timing
+windows) and process group, the learning-rate schedule and the weight-decay groups."""
+import argparse
 import math
 from functools import partial
+from pathlib import Path
+from typing import Callable, Dict
 
 import torch
+
+from experiments import harness
+from fuselab import distributed as fd
+
+
+def add_run_args(g, *, log_every: int, timing_skip: int, checkpoint_every_help: str) -> None:
+    """Device, precision, checkpoints, timed windows and the collective timeout, on ``g`` (a parser
+    or an argument group); ``finish_run_args`` completes them after parsing."""
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                   help="default: bf16 on CUDA (autocast, or FSDP2 mixed precision), fp32 on the CPU")
+    g.add_argument("--checkpoint-dir", type=Path, default=None)
+    g.add_argument("--checkpoint-every", type=harness.non_negative_int, default=0, help=checkpoint_every_help)
+    g.add_argument("--keep", type=harness.positive_int, default=3, help="complete checkpoints kept")
+    g.add_argument("--async-checkpoint", action="store_true", help="dcp.async_save: write while training goes on")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    g.add_argument("--log-every", type=harness.positive_int, default=log_every, help="steps per timed window")
+    g.add_argument("--timing-skip", type=harness.non_negative_int, default=timing_skip,
+                   help="first steps left out of the throughput (compilation, warm-up)")
+    g.add_argument("--timeout", type=harness.positive_float, default=600.0, help="collective timeout, seconds")
+
+
+def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, tiny: Dict[str, object]) -> None:
+    """With ``--tiny``, the ``tiny`` values for every option left at its default; then the run
+    arguments' checks and the precision's default."""
+    if args.tiny:
+        defaults = {a.dest: a.default for a in p._actions}
+        for key, value in tiny.items():
+            if getattr(args, key) == defaults[key]:
+                setattr(args, key, value)
+    if args.resume and args.checkpoint_dir is None:
+        p.error("--resume needs --checkpoint-dir")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device (use --device cpu)")
+    if args.precision is None:
+        args.precision = "bf16" if args.device == "cuda" else "fp32"
+
+
+def run_distributed(train: Callable, args: argparse.Namespace):
+    """``train(args, runtime)`` in this process's share of the job (torchrun's, or a single process)."""
+    rt = fd.init(args.device, timeout_s=args.timeout)
+    rows = train(args, rt)
+    fd.shutdown()
+    return rows
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float = 0.0) -> float:

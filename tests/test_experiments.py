@@ -12,10 +12,12 @@ from experiments import (
     bench_matmul_relu,
     bench_quant,
     compile_speedup,
+    distill_quantize,
     harness,
     host_overhead,
     model_eager,
     report,
+    sparse_embedding,
     sweep_cuda_tiles,
     train_mlp,
 )
@@ -252,6 +254,14 @@ def test_gpu_only_modes_refuse_a_cpu_at_once(outdirs):
             with pytest.raises(SystemExit, match="needs a CUDA GPU") as exc:
                 main(argv)
             assert exc.value.code != 0
+    assert not outdirs[0].exists() and not outdirs[1].exists()
+
+
+def test_an_unreadable_device_is_a_usage_error(capsys, outdirs):
+    # One parse for every experiment's --device (harness.parse_device): torch's reason, before any work.
+    for main in (train_mlp.main, compile_speedup.main, sparse_embedding.main, distill_quantize.main):
+        err = usage_error(capsys, main, ["--device", "gpu0"])
+        assert "'gpu0'" in err and "device" in err
     assert not outdirs[0].exists() and not outdirs[1].exists()
 
 

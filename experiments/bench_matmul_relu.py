@@ -64,20 +64,10 @@ from experiments.harness import (
     rel_error,
     require_cuda,
     rotating,
+    shape_dims,
     time_call,
 )
 from fuselab.kernels import matmul_relu
-
-
-def shape_dims(name: str) -> Tuple[int, int, int]:
-    """(M, N, K) of a shape name, from its last word ``MxNxK``: ``"decode-16 16x11008x4096"`` is
-    (16, 11008, 4096). Y is M x N, the reduction is K. A name that does not end so raises ValueError."""
-    dims = name.split()[-1].split("x") if name.split() else []
-    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
-        raise ValueError(f"shape {name!r} does not end in MxNxK (three positive integers)")
-    M, N, K = (int(d) for d in dims)
-    return M, N, K
-
 
 # Named shapes; results rows carry the names, so a name, once measured, is never changed.
 SHAPES = {name: shape_dims(name) for name in [

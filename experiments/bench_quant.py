@@ -64,6 +64,7 @@ from experiments.harness import (
     rel_error,
     require_cuda,
     rotating,
+    shape_dims,
     time_call,
 )
 from experiments.models import OPT_SIZES, opt_decoder
@@ -79,16 +80,16 @@ from fuselab.quant import (
 )
 from fuselab.quant.fp8_gemm import check_fp8_device
 
-# name -> (M, N, K): a (M, K) @ w (N, K)^T, Y is M x N.
-SHAPES = {
-    "8192x8192x8192": (8192, 8192, 8192),  # the issue's
-    "4096x4096x4096": (4096, 4096, 4096),
-    "opt-1.3b fc1 16384x8192x2048": (16384, 8192, 2048),  # 16384 tokens, d=2048 -> 8192, ReLU
-    "opt-1.3b fc2 16384x2048x8192": (16384, 2048, 8192),
-    "8192x8192x1024": (8192, 8192, 1024),
-    "decode 16x8192x2048": (16, 8192, 2048),  # 16 tokens: weight-bound (torch._int_mm needs M > 16)
-    "unaligned 3001x4099x1537": (3001, 4099, 1537),  # no size a multiple of 8 (cuBLAS's 8-bit GEMMs refuse)
-}
+# Named as MxNxK (harness.shape_dims): a (M, K) @ w (N, K)^T, Y is M x N.
+SHAPES = {name: shape_dims(name) for name in [
+    "8192x8192x8192",  # the issue's
+    "4096x4096x4096",
+    "opt-1.3b fc1 16384x8192x2048",  # 16384 tokens, d=2048 -> 8192, ReLU
+    "opt-1.3b fc2 16384x2048x8192",
+    "8192x8192x1024",
+    "decode 16x8192x2048",  # 16 tokens: weight-bound (torch._int_mm needs M > 16)
+    "unaligned 3001x4099x1537",  # no size a multiple of 8 (cuBLAS's 8-bit GEMMs refuse)
+]}
 QUICK = ["8192x8192x8192", "opt-1.3b fc1 16384x8192x2048", "decode 16x8192x2048"]
 PREFILL_SIZES = ["opt-1.3b"]
 OPS = ("int8 gemm", "fp8 gemm", "prefill")

@@ -27,7 +27,7 @@ import itertools
 import math
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -223,6 +223,16 @@ def output_path(args: argparse.Namespace, study: str) -> Path:
     if args.out is not None:
         return args.out
     return (RESULTS if args.results else RUNS) / f"{study}.json"
+
+
+def shape_dims(name: str) -> Tuple[int, int, int]:
+    """(M, N, K) of a GEMM shape name, from its last word ``MxNxK``: ``"decode-16 16x11008x4096"`` is
+    (16, 11008, 4096). Y is M x N, the reduction is K. A name that does not end so raises ValueError."""
+    dims = name.split()[-1].split("x") if name.split() else []
+    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(f"shape {name!r} does not end in MxNxK (three positive integers)")
+    M, N, K = (int(d) for d in dims)
+    return M, N, K
 
 
 def require_cuda(what: str) -> None:

@@ -75,11 +75,12 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None) -> D
     else:
         status = _git("status", "--porcelain", "--untracked-files=no")
         dirty = bool(status) if status is not None else None
-    from fuselab.kernels._runtime import INTERPRET
+    from fuselab.kernels._runtime import INTERPRET, device_name
 
     cuda = torch.cuda.is_available()
-    # the name the tuner keys its choices by: the GPU's, or the interpreter's (kernels then ran there)
-    device = (torch.cuda.get_device_name() if cuda else "triton-interpreter" if INTERPRET
+    # the name the tuner keys its choices by (device_name: the interpreter's under TRITON_INTERPRET=1,
+    # kernels then ran there, even on a GPU machine; else the GPU's)
+    device = (device_name() if cuda or INTERPRET
               else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
     driver = None
     if cuda:

@@ -109,6 +109,12 @@ def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, **kwargs) -
         _remember_plan(plan_key, kernel, compiled, grid, args, kwargs, device.index)
 
 
+def plan_layout(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What Triton specializes a tensor argument on, for a ``plan_key`` (see ``launch_planned``):
+    dtype, shape, strides and 16-byte alignment; None for an absent tensor."""
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+
+
 def launch_planned(plan_key: Hashable, *tensors: torch.Tensor) -> bool:
     """Relaunch the kernel that ``launch(..., plan_key=plan_key)`` ran, on new tensors; False
     (nothing launched) if there is no such launch yet, or planned launches are off (see

@@ -39,6 +39,7 @@ from fuselab.kernels._runtime import (
     launch_planned,
     max_shared_memory,
     num_sms,
+    plan_layout,
     register_op,
     untraced,
 )
@@ -260,11 +261,8 @@ def _tma_row_major(t: torch.Tensor) -> Optional[bool]:
 
 def _plan_key(a, b, c, bias, y, rowsum, relu) -> tuple:
     """Everything a launch of ``_gemm`` specializes on but the data: see ``launch_planned``."""
-    def layout(t):
-        return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
-
     return (a.get_device(), relu, torch.get_float32_matmul_precision(),
-            layout(a), layout(b), layout(c), layout(bias), layout(y), layout(rowsum))
+            *(plan_layout(t) for t in (a, b, c, bias, y, rowsum)))
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[torch.Tensor] = None,

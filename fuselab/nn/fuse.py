@@ -159,8 +159,8 @@ def _why_not_fusable(layer: nn.Module, act: Optional[nn.Module]) -> Optional[str
     if why is None and _fused_layer(layer) is None:
         cls = type(layer)
         why = f"a {cls.__module__}.{cls.__qualname__}, not exactly an nn.Linear (its forward may differ)"
-    if why is None and act is not None and why_not_swapped(act) is not None:
-        why = f"its ReLU {why_not_swapped(act)}"
+    if why is None and act is not None and (act_why := why_not_swapped(act)) is not None:
+        why = f"its ReLU {act_why}"
     return why or why_not_fused(None, layer.weight, layer.bias, linear=type(layer) is nn.Linear)
 
 

@@ -27,6 +27,7 @@ from fuselab.kernels._runtime import (
     launch,
     launch_planned,
     max_shared_memory,
+    plan_layout,
     untraced,
 )
 
@@ -146,10 +147,7 @@ def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, s
 
 def _plan_key(tensors, relu) -> tuple:
     """Everything a launch of ``scaled_gemm`` specializes on but the data: see ``launch_planned``."""
-    def layout(t):
-        return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
-
-    return ("scaled_gemm", tensors[0].get_device(), relu, *(layout(t) for t in tensors))
+    return ("scaled_gemm", tensors[0].get_device(), relu, *(plan_layout(t) for t in tensors))
 
 
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Optional[torch.Tensor],

@@ -33,14 +33,15 @@ def quantize_int8_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``x`` (..., K) as int8 with one symmetric fp32 scale per row, shaped x.shape[:-1];
     ``x ~ q * scale[..., None]``, ``scale = absmax(row) / 127``. Not differentiable (rounding)."""
     x = x.detach()
-    scale = x.abs().amax(dim=-1).to(torch.float32).clamp(min=_TINY) / QMAX
+    scale = x.abs().amax(dim=-1).to(torch.float32).clamp_(min=_TINY).div_(QMAX)  # amax's result: fresh
     return quantize_int8_static(x, scale[..., None]), scale
 
 
 def quantize_int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``round(x / scale)`` clamped to [-127, 127], as int8; ``scale`` broadcasts against ``x``
     (a calibrated per-tensor scale clips values beyond the calibrated range)."""
-    return torch.round(x.detach().to(torch.float32) / scale).clamp(-QMAX, QMAX).to(torch.int8)
+    # The quotient is a new tensor: rounded and clamped in place (one fp32 temporary per call, not three).
+    return (x.detach().to(torch.float32) / scale).round_().clamp_(-QMAX, QMAX).to(torch.int8)
 
 
 # ----------------------------------------------------------------------------------------------

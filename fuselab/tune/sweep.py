@@ -39,8 +39,6 @@ from fuselab.tune.kernels import KERNELS, Launch, device
 
 STUDY = "tune"
 QUANTILES = (0.2, 0.5, 0.8)
-# Seconds to time one config on an H200, a planning figure only (do_bench's 5 + warmup + rep ms of calls).
-SECONDS_PER_CONFIG = 0.05
 
 
 class SweepError(RuntimeError):

@@ -332,7 +332,7 @@ def test_bad_inputs_raise_in_the_op_and_its_fake():
 
 
 def test_fp8_refused_on_gpus_without_fp8_tensor_cores(monkeypatch):
-    monkeypatch.setattr(fp8_gemm, "_capability", lambda index: (8, 0))  # the per-GPU cache, as an A100's
+    monkeypatch.setattr(fp8_gemm, "cuda_capability", lambda device: (8, 0))  # as an A100's
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     why = fp8_gemm.check_fp8_device(torch.device("cuda", 0))
     assert "compute capability 8.9 or newer" in why and "sm_80" in why and "A100" in why

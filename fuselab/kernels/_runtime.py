@@ -267,13 +267,18 @@ def num_sms(device: torch.device) -> int:
 
 def has_tma(device: torch.device) -> bool:
     """Hopper or newer: tensor-memory-accelerator copies (TMA descriptors)."""
-    return device.type == "cuda" and not INTERPRET and _cuda_properties(device.index)[1] >= 9
+    return device.type == "cuda" and not INTERPRET and cuda_capability(device) >= (9, 0)
+
+
+def cuda_capability(device: torch.device) -> Tuple[int, int]:
+    """A CUDA device's compute capability, asked once per GPU (a query costs microseconds a call)."""
+    return _cuda_properties(device.index)[1:]
 
 
 @functools.lru_cache(maxsize=None)
 def _cuda_properties(index: Optional[int]):
     props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
-    return props.multi_processor_count, props.major
+    return props.multi_processor_count, props.major, props.minor
 
 
 def max_shared_memory(device_index: Optional[int] = None) -> int:

@@ -12,12 +12,11 @@ newer: Ada, Hopper; elsewhere on CUDA the op raises) and in the interpreter; on 
 GEMM of the upcast operands (exact products, fp32 sums: the same math in another summation order)
 and the same epilogue, so an fp8 model can be checked without a GPU.
 """
-import functools
 from typing import Optional, Tuple
 
 import torch
 
-from fuselab.kernels._runtime import ExecutionPath, execution_path, register_op
+from fuselab.kernels._runtime import ExecutionPath, cuda_capability, execution_path, register_op
 from fuselab.quant._scaled_gemm import call, check_inputs, scaled_gemm, torch_epilogue
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -52,16 +51,11 @@ def _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype) -> None:
     check_inputs(OP, FP8_DTYPE, torch.float32, a, b, a_scale, b_scale, bias, relu, out_dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(index)  # a few microseconds a query: asked once per GPU
-
-
 def check_fp8_device(device: torch.device) -> Optional[str]:
     """Why the fp8 kernel cannot run on ``device`` (None: it can)."""
     if device.type != "cuda":
         return None
-    capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    capability = cuda_capability(device)
     if capability < MIN_CAPABILITY:
         return (f"fp8 e4m3 GEMMs need fp8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
                 f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}")

@@ -235,3 +235,19 @@ def test_autotune_switch_off_uses_heuristic_where_it_fits(cache_dir, env):
 
 def test_bucket():
     assert [_autotune.bucket(n) for n in (0, 1, 2, 3, 64, 65, 4096, 4097)] == [1, 1, 2, 4, 64, 128, 4096, 8192]
+
+
+def test_narrow_row_tiles_are_tuned_for_skinny_problems_only(monkeypatch):
+    # Decode-sized M times the 16- and 32-row tiles; a taller problem never spends tuning time on them.
+    gemm = importlib.import_module("fuselab.kernels.matmul_relu_triton")
+    monkeypatch.setattr(gemm, "INTERPRET", False)  # the GPU's config list (the interpreter's is two tiles)
+    configs = gemm.gemm_configs()
+    a = torch.empty(1, 1, dtype=torch.bfloat16)
+
+    def row_tiles(m, tma_ok=True):
+        args = dict(a_ptr=a, M_BUCKET=m, N_BUCKET=16384, MASK_A=False, TMA_OK=tma_ok)
+        return {c.kwargs["BLOCK_M"] for c in gemm._prune_configs(configs, args)}
+
+    assert {16, 32} <= row_tiles(16) and max(row_tiles(16)) <= 64
+    assert {16, 32} <= row_tiles(64)
+    assert min(row_tiles(128)) >= 64 and min(row_tiles(8192, tma_ok=False)) >= 64

@@ -64,7 +64,10 @@ def gemm_configs():
         (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
         (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
         (64, 64, 128, 4, 4), (64, 32, 128, 5, 4),  # few rows (M=64): more programs, deeper K
-        (128, 128, 32, 4, 8), (64, 64, 32, 4, 4)]]  # BLOCK_K=32: fp32 tiles, twice the bytes
+        (128, 128, 32, 4, 8), (64, 64, 32, 4, 4),  # BLOCK_K=32: fp32 tiles, twice the bytes
+        # Decode and skinny M (<= 64 rows, pruned above): the weight's bytes bound the time, so narrow
+        # row tiles with deep K pipelines keep more of it in flight across more programs.
+        (16, 64, 128, 5, 4), (16, 128, 128, 4, 4), (32, 64, 128, 5, 4), (32, 128, 64, 5, 4)]]
     # Persistent TMA body: the next tile's loads start while this tile's epilogue stores.
     tma = [_config(*c, tma=True, subtile=s) for *c, s in [
         (128, 256, 64, 3, 8, False), (128, 256, 64, 4, 8, True), (256, 128, 64, 3, 8, False),
@@ -94,7 +97,7 @@ def _prune_configs(configs, named_args, **kwargs):
             need += bm * bn * es // (2 if c.kwargs["EPILOGUE_SUBTILE"] else 1)
         if need > smem:
             continue
-        if (bm > 64 and m <= 32) or (bn > 64 and n <= 32):
+        if (bm > 64 and m <= 32) or (bn > 64 and n <= 32) or (bm < 64 and m > 64):
             continue
         kept.append(c)
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]

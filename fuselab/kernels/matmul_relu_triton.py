@@ -86,6 +86,7 @@ def _prune_configs(configs, named_args, **kwargs):
     es = args["a_ptr"].element_size()
     smem = max_shared_memory()
     m, n = args["M_BUCKET"], args["N_BUCKET"]
+    has_tall_tiles = any(c.kwargs["BLOCK_M"] >= 64 for c in configs)  # not so in the interpreter's list
     kept = []
     for c in configs:
         bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
@@ -97,7 +98,7 @@ def _prune_configs(configs, named_args, **kwargs):
             need += bm * bn * es // (2 if c.kwargs["EPILOGUE_SUBTILE"] else 1)
         if need > smem:
             continue
-        if (bm > 64 and m <= 32) or (bn > 64 and n <= 32) or (bm < 64 and m > 64):
+        if (bm > 64 and m <= 32) or (bn > 64 and n <= 32) or (bm < 64 and m > 64 and has_tall_tiles):
             continue
         kept.append(c)
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]

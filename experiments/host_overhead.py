@@ -5,8 +5,10 @@ Study ``host_overhead`` (long format, ``experiments/harness.py``), bf16, ``nn.Li
 
     ops        fwd, fwd+bwd (gradients reset to None before each call, never accumulated)
     providers  relu(addmm) (torch, the baseline); torch, Python backward (the same through a Python
-               ``autograd.Function``: what a Python backward costs by itself); fuselab (launch plans on,
-               the default); fuselab, no launch plans (every launch binds its arguments through Triton)
+               ``autograd.Function``: what a Python backward costs by itself); fuselab (the default: the
+               C++ eager path, ``fuselab.kernels.eager_path``); fuselab, Python path (the C++ path off:
+               a Python autograd.Function and launch plans); fuselab, no launch plans (the Python path,
+               every launch binding its arguments through Triton)
     modes      host: the host's time to enqueue one call (batches of calls, no synchronization inside
                a batch); eager: ``do_bench`` time per call, host and device together
 
@@ -27,7 +29,7 @@ import time
 import torch
 
 from experiments.harness import Providers, Results, Timing, add_output_args, output_path, pivot, require_cuda, time_call
-from fuselab.kernels import matmul_relu
+from fuselab.kernels import eager_path, matmul_relu
 
 STUDY = "host_overhead"
 CALLS = Providers()  # each takes (x, w_t, bias) and returns the output
@@ -52,15 +54,16 @@ class TorchLinearReLU(torch.autograd.Function):
 
 @contextlib.contextmanager
 def without_launch_plans():
-    """Every eager GEMM takes the full launch path: ``launch_planned`` finds nothing, in every fuselab
-    module that calls it."""
+    """The Python path, every eager GEMM taking the full launch path: ``launch_planned`` finds
+    nothing, in every fuselab module that calls it."""
     patched = [m for name, m in list(sys.modules.items())
                if name.startswith("fuselab.kernels") and m is not None and hasattr(m, "launch_planned")]
     saved = [m.launch_planned for m in patched]
     for m in patched:
-        m.launch_planned = lambda key, *tensors: False
+        m.launch_planned = lambda key, *tensors, cpp_key=None: False
     try:
-        yield
+        with eager_path.disabled():
+            yield
     finally:
         for m, fn in zip(patched, saved):
             m.launch_planned = fn
@@ -81,12 +84,17 @@ def fuselab(x, w_t, bias):
     return matmul_relu(x, w_t, bias)
 
 
+@CALLS.register("fuselab, Python path")
+def fuselab_python_path(x, w_t, bias):
+    return matmul_relu(x, w_t, bias)
+
+
 @CALLS.register("fuselab, no launch plans")
 def fuselab_no_plans(x, w_t, bias):
     return matmul_relu(x, w_t, bias)
 
 
-SETTINGS = {"fuselab, no launch plans": without_launch_plans}
+SETTINGS = {"fuselab, Python path": eager_path.disabled, "fuselab, no launch plans": without_launch_plans}
 
 
 def busy_python():

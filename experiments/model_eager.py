@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from experiments import harness
 from experiments.models import OPT_SIZES, opt_decoder
+from fuselab.kernels import eager_path
 
 STUDY = "model_eager"
 MODES = ("eager", "default", "reduce-overhead")
@@ -173,18 +174,21 @@ def _configuration(size, tokens, task, mode, variant, device):
     cuda = device.type == "cuda"
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model, vocab = opt_decoder(size, variant, device=device, dtype=torch.bfloat16 if cuda else None)
+    python_path = variant == "fuselab-python"
+    model, vocab = opt_decoder(size, "fuselab" if python_path else variant, device=device,
+                               dtype=torch.bfloat16 if cuda else None)
     model.eval()  # no dropout in these configs; eval skips transformers' LayerDrop draw
     step = make_step(model, torch.randint(0, vocab, tokens, device=device), task, mode)
-    t0 = time.perf_counter()
-    step()
-    harness.sync()
-    try:
-        yield step, time.perf_counter() - t0
-    finally:
-        del model, step
-        if cuda:
-            torch.cuda.empty_cache()
+    with eager_path.disabled() if python_path else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        step()
+        harness.sync()
+        try:
+            yield step, time.perf_counter() - t0
+        finally:
+            del model, step
+            if cuda:
+                torch.cuda.empty_cache()
 
 
 def report(results: harness.Results) -> str:
@@ -223,7 +227,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=parse_tokens, default=[(1, 128), (8, 1024)], help="BATCHxSEQ, comma-separated")
     p.add_argument("--tasks", type=choice_list(("infer", "train")), default=["infer", "train"])
     p.add_argument("--modes", type=choice_list(MODES), default=["eager"])
-    p.add_argument("--variants", type=choice_list(("stock", "fuselab", "norelu")), default=["stock", "fuselab"])
+    p.add_argument("--variants", type=choice_list(("stock", "fuselab", "fuselab-python", "norelu")),
+                   default=["stock", "fuselab"], help="fuselab-python: patched, the C++ eager path off")
     p.add_argument("--iters", type=harness.positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--passes", type=harness.positive_int, default=1,

@@ -76,12 +76,16 @@ CACHE_DIR: Knob[Path] = Knob(
 CUDA_KERNEL: Knob[str] = Knob(
     "FUSELAB_CUDA_KERNEL", "auto", _cuda_kernel,
     "the CUDA reference's fp16/bf16 kernel: auto (the faster one that can run), mma or wgmma")
+EAGER_CPP: Knob[bool] = Knob(
+    "FUSELAB_EAGER_CPP", "1", _flag,
+    "0: eager calls of the fused layers take the Python path; 1: the C++ path, built on the first eager "
+    "CUDA call (about a minute, once per torch version)")
 TRITON_INTERPRET: Knob[bool] = Knob(
     "TRITON_INTERPRET", "0", _triton_interpret,
     "1: Triton runs kernels on the CPU; fixed when fuselab defines its kernels (at import)",
     reloadable=False)
 
-KNOBS: Tuple[Knob, ...] = (AUTOTUNE, CACHE_DIR, CUDA_KERNEL, TRITON_INTERPRET)
+KNOBS: Tuple[Knob, ...] = (AUTOTUNE, CACHE_DIR, CUDA_KERNEL, EAGER_CPP, TRITON_INTERPRET)
 
 
 def reload() -> None:

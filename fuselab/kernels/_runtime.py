@@ -82,11 +82,13 @@ def _scratch_allocator(size: int, alignment: int, stream: Optional[int]) -> torc
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, **kwargs) -> None:
+def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, cpp_key: Optional[tuple] = None,
+           **kwargs) -> None:
     """Launch a (possibly autotuned) Triton kernel; while ``is_tracing()``, through ``wrap_triton``
     so that the graph records it.
     In eager mode the kernel is called directly, as ``triton_op`` itself does, and with a
-    ``plan_key`` the launch is remembered for ``launch_planned`` (see there).
+    ``plan_key`` the launch is remembered for ``launch_planned`` (see there); with a ``cpp_key``
+    (key ints, the kernel's tensor arguments) also for the C++ eager path (``eager_path``).
 
     Triton launches on the current CUDA device, so the launch runs under the device of the first
     tensor argument (tensors on cuda:1 while cuda:0 is current must not be read from cuda:0).
@@ -106,7 +108,7 @@ def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, **kwargs) -
     with _on_device(device.index):
         compiled = kernel[grid](*args, **kwargs)
     if plan_key is not None and not tracing and compiled is not None:
-        _remember_plan(plan_key, kernel, compiled, grid, args, kwargs, device.index)
+        _remember_plan(plan_key, kernel, compiled, grid, args, kwargs, device.index, cpp_key)
 
 
 def plan_layout(t: Optional[torch.Tensor]) -> Optional[tuple]:
@@ -115,7 +117,7 @@ def plan_layout(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
 
-def launch_planned(plan_key: Hashable, *tensors: torch.Tensor) -> bool:
+def launch_planned(plan_key: Hashable, *tensors: torch.Tensor, cpp_key: Optional[tuple] = None) -> bool:
     """Relaunch the kernel that ``launch(..., plan_key=plan_key)`` ran, on new tensors; False
     (nothing launched) if there is no such launch yet, or planned launches are off (see
     ``_launcher_mismatch``). Eager only: call it when not ``is_tracing()``.
@@ -125,11 +127,17 @@ def launch_planned(plan_key: Hashable, *tensors: torch.Tensor) -> bool:
     mid-sized GEMM takes on a GPU. A plan keeps the compiled kernel, its grid and every non-tensor
     argument. The caller's contract: ``plan_key`` determines every non-tensor argument and each
     tensor argument's dtype, shape, strides and 16-byte alignment (what Triton specializes on);
-    ``tensors`` are the launch's tensor arguments in order, Nones left out.
+    ``tensors`` are the launch's tensor arguments in order, Nones left out. A ``cpp_key`` (see
+    ``launch``) hands a plan made before the C++ eager path was loaded to it.
     """
     plan = _PLANS.get(plan_key)
     if plan is None:
         return False
+    if cpp_key is not None and not plan.in_cpp:
+        from fuselab.kernels import eager_path
+
+        plan.in_cpp = True
+        eager_path.register_plan(*cpp_key, plan)
     return plan(tensors)
 
 
@@ -150,9 +158,11 @@ _plans_on: Optional[bool] = None  # None until the first plan checks the launche
 _plan_launched = False  # whether a planned launch has gone through the launcher yet
 
 
-def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, device: Optional[int]) -> None:
+def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, device: Optional[int],
+                   cpp_key: Optional[tuple] = None) -> None:
     """Keep the launch just made (``compiled``, from ``kernel[grid](*args, **kwargs)``) for
-    ``launch_planned``; the first call checks Triton's launcher and may turn planned launches off."""
+    ``launch_planned`` (and with ``cpp_key`` for the C++ eager path); the first call checks Triton's
+    launcher and may turn planned launches off."""
     global _plans_on
     if _plans_on is None:
         why = _launcher_mismatch(compiled)
@@ -163,7 +173,12 @@ def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, dev
         return
     if len(_PLANS) >= _MAX_PLANS:  # dynamic shapes: keep the cache bounded
         _PLANS.clear()
-    _PLANS[plan_key] = _LaunchPlan(kernel, compiled, grid, args, kwargs, device)
+    plan = _PLANS[plan_key] = _LaunchPlan(kernel, compiled, grid, args, kwargs, device)
+    if cpp_key is not None:
+        from fuselab.kernels import eager_path
+
+        plan.in_cpp = True
+        eager_path.register_plan(*cpp_key, plan)
 
 
 def _launcher_mismatch(compiled) -> Optional[str]:
@@ -188,6 +203,10 @@ def _launcher_mismatch(compiled) -> Optional[str]:
 
 def _warn_plans_off(why: str) -> None:
     import triton
+
+    from fuselab.kernels import eager_path
+
+    eager_path.enable(False)  # its plans pass arguments as this launcher would: off with it
 
     tested = ", ".join(LAUNCH_PLANS_TESTED_ON_TRITON)
     warnings.warn(f"fuselab: planned kernel launches are off with triton {triton.__version__} ({why}); "
@@ -215,6 +234,7 @@ class _LaunchPlan:
         for i in self.slots:  # hold no tensor of the first call
             self.values[i] = None
         self.compiled, self.device = compiled, device
+        self.in_cpp = False  # registered with the C++ eager path (eager_path.register_plan)
 
     def __call__(self, tensors) -> bool:
         """Launch on ``tensors``; False (nothing launched, planned launches turned off) if this first

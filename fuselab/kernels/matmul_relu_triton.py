@@ -25,6 +25,7 @@ import torch.autograd.forward_ad as forward_ad
 import triton
 import triton.language as tl
 
+from fuselab.kernels import eager_path
 from fuselab.kernels._autotune import autotune, bucket
 from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers
 from fuselab.kernels._runtime import (
@@ -290,10 +291,13 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
         # the TMA body stores row-major tiles only.
         return _gemm(b.t(), a.t(), c.t(), relu=relu, config=config)
     tensors = [t for t in (a, b, c, bias, y, rowsum) if t is not None]
-    plan_key = None
+    plan_key = cpp_key = None
     if config is None and not INTERPRET and untraced(*tensors):  # a repeated eager call skips the rest
         plan_key = _plan_key(a, b, c, bias, y, rowsum, relu)
-        if launch_planned(plan_key, *tensors):
+        if eager_path.may_plan():
+            exact = a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+            cpp_key = ((eager_path.GEMM_KIND, a.get_device(), int(relu), int(exact)), (a, b, c, bias, y, rowsum))
+        if launch_planned(plan_key, *tensors, cpp_key=cpp_key):
             return
     tma_ok = False
     if has_tma(a.device) and y is None and rowsum is None and K > 0:
@@ -321,7 +325,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
            HAS_BIAS=bias is not None, RELU=relu, MASK_A=y is not None,
            ROWSUM_A=rowsum is not None, A_ROW_MAJOR=a.stride(1) == 1,
            B_ROW_MAJOR=b.stride(1) == 1, TMA_OK=tma_ok, INT64=needs_int64(a, b, c, y, bias),
-           PRECISION=precision, NUM_SMS=sms, plan_key=plan_key, **meta)
+           PRECISION=precision, NUM_SMS=sms, plan_key=plan_key, cpp_key=cpp_key, **meta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,6 +574,9 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
         return matmul_relu_cuda(a, b, bias)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
+    out = eager_path.call(a, b, bias, linear=False, autocast=False)  # C++: an eager CUDA call it can serve
+    if out is not None:
+        return out
     if execution_path(a) is ExecutionPath.TRITON and untraced(a, b, bias) and not _beyond_custom_ops():
         return _EagerMatmulReLU.apply(a, b, bias)
     if not torch.compiler.is_compiling() and _beyond_custom_ops():
@@ -579,6 +586,9 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``relu(F.linear(x, weight, bias))``: ``weight`` is (N, K) as in ``nn.Linear``."""
+    out = eager_path.call(x, weight, bias, linear=True, autocast=False)
+    if out is not None:
+        return out
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D with shape (N, K), got shape {tuple(weight.shape)}")
     return matmul_relu(x, weight.t(), bias)

@@ -1,0 +1,356 @@
+// fuselab's eager host path in C++: the fused linear/matmul + bias + ReLU with its autograd node,
+// launching the cubins Triton compiled (launch plans), so that an eager call costs about what an
+// aten op costs on the host. Python still compiles, tunes and chooses; it registers each launch it
+// made (``register_plan``) and serves every call this file declines (returns None) or cannot plan
+// yet (``set_gemm_fallback``). See fuselab/kernels/eager_path.py.
+#include <torch/extension.h>
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <dlfcn.h>
+#include <torch/csrc/autograd/forward_grad.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Launch plans: a compiled kernel with every argument fixed but its tensors' addresses
+// ---------------------------------------------------------------------------------------------
+
+// The first ints of a GEMM's key (kind, device, relu, exact fp32); eager_path.py builds the same.
+constexpr int64_t kGemmKind = 1;
+
+using Key = std::vector<int64_t>;
+
+struct KeyHash {
+  size_t operator()(const Key& key) const noexcept {
+    size_t h = key.size();
+    for (int64_t v : key) h ^= std::hash<int64_t>{}(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+
+// What Triton specializes a tensor argument on (Python's plan_layout): dtype, sizes, strides and
+// 16-byte alignment; -1 for an absent tensor.
+void append_layout(Key& key, const Tensor* t) {
+  if (t == nullptr || !t->defined()) {
+    key.push_back(-1);
+    return;
+  }
+  key.push_back(static_cast<int64_t>(t->scalar_type()));
+  key.push_back(t->dim());
+  for (int64_t s : t->sizes()) key.push_back(s);
+  for (int64_t s : t->strides()) key.push_back(s);
+  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16));
+}
+
+struct Plan {
+  CUfunction function;
+  std::array<unsigned, 3> grid;
+  int num_warps, num_ctas, shared;
+  bool cooperative, pdl;
+  int64_t scratch_bytes;         // the whole launch's global scratch (TMA descriptors built on the device)
+  int device;
+  std::vector<uint64_t> params;  // one 8-byte slot per kernel parameter, the two scratch pointers last
+  std::vector<int> tensor_params;  // the slot of each tensor argument, in argument order
+};
+
+std::shared_mutex plans_mutex;
+std::unordered_map<Key, std::shared_ptr<const Plan>, KeyHash> plans;
+constexpr size_t kMaxPlans = 4096;  // dynamic shapes: keep the store bounded
+
+std::shared_ptr<const Plan> find_plan(const Key& key) {
+  std::shared_lock<std::shared_mutex> lock(plans_mutex);
+  auto it = plans.find(key);
+  return it == plans.end() ? nullptr : it->second;
+}
+
+using LaunchKernelEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+
+LaunchKernelEx launch_kernel_ex() {
+  static LaunchKernelEx fn = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(lib != nullptr, "fuselab eager path: cannot open libcuda.so.1");
+    auto f = reinterpret_cast<LaunchKernelEx>(dlsym(lib, "cuLaunchKernelEx"));
+    TORCH_CHECK(f != nullptr, "fuselab eager path: libcuda.so.1 has no cuLaunchKernelEx");
+    return f;
+  }();
+  return fn;
+}
+
+// The launch Triton's own launcher makes (cuLaunchKernelEx, the same attributes), on the current
+// stream of the plan's device.
+void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors) {
+  std::vector<uint64_t> values = plan.params;
+  size_t i = 0;
+  for (const Tensor* t : tensors) {
+    if (t == nullptr || !t->defined()) continue;
+    values[plan.tensor_params[i++]] = reinterpret_cast<uint64_t>(t->data_ptr());
+  }
+  TORCH_CHECK(i == plan.tensor_params.size(), "fuselab eager path: a plan got ", i, " tensors, expected ",
+              plan.tensor_params.size());
+  c10::cuda::CUDAGuard guard(plan.device);
+  Tensor scratch;
+  if (plan.scratch_bytes > 0) {
+    scratch = at::empty({plan.scratch_bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, plan.device));
+    values[values.size() - 2] = reinterpret_cast<uint64_t>(scratch.data_ptr());
+  }
+  std::vector<void*> pointers(values.size());
+  for (size_t k = 0; k < values.size(); ++k) pointers[k] = &values[k];
+
+  CUlaunchAttribute attributes[4];
+  unsigned n_attributes = 0;
+  if (plan.pdl) {
+    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attributes[n_attributes++].value.programmaticStreamSerializationAllowed = 1;
+  }
+  if (plan.cooperative) {
+    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attributes[n_attributes++].value.cooperative = 1;
+  }
+  if (plan.num_ctas != 1) {
+    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attributes[n_attributes].value.clusterDim.x = plan.num_ctas;
+    attributes[n_attributes].value.clusterDim.y = 1;
+    attributes[n_attributes++].value.clusterDim.z = 1;
+    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
+    attributes[n_attributes++].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
+  }
+  CUlaunchConfig config{};
+  config.gridDimX = plan.grid[0] * plan.num_ctas;
+  config.gridDimY = plan.grid[1];
+  config.gridDimZ = plan.grid[2];
+  config.blockDimX = 32 * plan.num_warps;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = plan.shared;
+  config.hStream = c10::cuda::getCurrentCUDAStream(plan.device).stream();
+  config.attrs = attributes;
+  config.numAttrs = n_attributes;
+  CUresult result = launch_kernel_ex()(&config, plan.function, pointers.data(), nullptr);
+  TORCH_CHECK(result == CUDA_SUCCESS, "fuselab eager path: cuLaunchKernelEx failed with CUresult ", result);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The GEMM: c = [relu](a @ b + bias), a planned launch or Python's _gemm (which plans it)
+// ---------------------------------------------------------------------------------------------
+
+// fuselab.kernels.matmul_relu_triton._gemm, set by eager_path.py; never destroyed (no Python at exit).
+py::object* gemm_fallback = nullptr;
+
+void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor* bias, bool relu) {
+  if (bias == nullptr && c.stride(0) == 1 && c.stride(1) != 1) {
+    return gemm(b.t(), a.t(), c.t(), nullptr, relu);  // as _gemm does: a column-major C as C^T = B^T A^T
+  }
+  Key key{kGemmKind, a.get_device(), relu, /*exact fp32*/ 0};
+  key.reserve(64);
+  for (const Tensor* t : {&a, &b, &c, bias}) append_layout(key, t);
+  append_layout(key, nullptr);  // y: the eager path writes G once (Hopper), it never masks on load
+  append_layout(key, nullptr);  // rowsum
+  if (auto plan = find_plan(key)) {
+    launch(*plan, {&a, &b, &c, bias});
+    return;
+  }
+  py::gil_scoped_acquire gil;  // the backward runs on autograd's thread, without the GIL
+  TORCH_CHECK(gemm_fallback != nullptr, "fuselab eager path: no GEMM fallback registered");
+  (*gemm_fallback)(a, b, c, py::arg("bias") = bias ? py::cast(*bias) : py::none(), py::arg("relu") = relu);
+}
+
+Tensor rows(const Tensor& t) {
+  return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+}
+
+std::vector<int64_t> with_last(const Tensor& t, int64_t last) {
+  std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+  shape.back() = last;
+  return shape;
+}
+
+// weight is an nn.Linear weight (N, K) when `linear`, else the (K, N) right operand.
+Tensor right_operand(const Tensor& weight, bool linear) {
+  return linear ? weight.t() : weight;
+}
+
+struct MatmulReLU : public torch::autograd::Function<MatmulReLU> {
+  static Tensor compute(const Tensor& a, const Tensor& weight, const Tensor& bias, bool linear) {
+    Tensor b = right_operand(weight, linear);
+    Tensor y = at::empty(with_last(a, b.size(1)), a.options());
+    gemm(rows(a), b, rows(y), bias.defined() ? &bias : nullptr, /*relu=*/true);
+    return y;
+  }
+
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& weight, const Tensor& bias, bool linear) {
+    Tensor y = compute(a, weight, bias, linear);
+    ctx->save_for_backward({a, weight, y});
+    ctx->saved_data["linear"] = linear;
+    ctx->saved_data["bias"] = bias.defined();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &a = saved[0], &weight = saved[1], &y = saved[2];
+    bool linear = ctx->saved_data["linear"].toBool();
+    bool need_a = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    bool need_bias = ctx->needs_input_grad(2) && ctx->saved_data["bias"].toBool();
+    Tensor b = right_operand(weight, linear);
+    Tensor g = at::threshold_backward(grads[0], y, 0);  // torch.relu's own gradient mask
+    Tensor g2 = rows(g), a2 = rows(a);
+    Tensor grad_a, grad_w, grad_bias;
+    if (differentiable_backward_needed(grads[0])) {  // PyTorch's ops: their results have a graph
+      if (need_a) grad_a = g.matmul(b.t());
+      if (need_w) grad_w = linear ? g2.t().mm(a2) : a2.t().mm(g2);
+      if (need_bias) grad_bias = g2.sum(0);
+      return {grad_a, grad_w, grad_bias, Tensor()};
+    }
+    if (need_a) {
+      grad_a = at::empty(with_last(g, b.size(0)), g.options());
+      gemm(g2, b.t(), rows(grad_a), nullptr, false);
+    }
+    if (need_w) {
+      grad_w = at::empty_like(weight);
+      linear ? gemm(g2.t(), a2, grad_w, nullptr, false) : gemm(a2.t(), g2, grad_w, nullptr, false);
+    }
+    if (need_bias) grad_bias = g2.sum(0, /*keepdim=*/false, at::kFloat).to(g.scalar_type());
+    return {grad_a, grad_w, grad_bias, Tensor()};
+  }
+
+  // create_graph=True, forward-mode AD or a torch.func transform: as _backward_by_torch_needed.
+  static bool differentiable_backward_needed(const Tensor& grad) {
+    return at::GradMode::is_enabled() || functorch_active() || dual_level_open() ||
+           grad.key_set().has(c10::DispatchKey::Batched);
+  }
+
+  static bool functorch_active() {
+    return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+  }
+
+  static bool dual_level_open() {
+    return torch::autograd::ForwardADLevel::try_get_by_idx(0) != nullptr;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Entry: the call this path serves, or None (the Python path serves it, and raises on bad input)
+// ---------------------------------------------------------------------------------------------
+
+PyTypeObject* parameter_type = nullptr;
+
+const Tensor* plain_tensor(py::handle obj) {
+  PyTypeObject* type = Py_TYPE(obj.ptr());
+  if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) && type != parameter_type) return nullptr;
+  return &THPVariable_Unpack(obj.ptr());
+}
+
+// Keys that mean something records or transforms the call: a tensor subclass or mode (Python),
+// functionalization, vmap, torch.func's gradient wrappers.
+bool transformed(const Tensor& t) {
+  static const c10::DispatchKeySet keys({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                         c10::DispatchKey::Functionalize, c10::DispatchKey::Batched,
+                                         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper});
+  return t.key_set().has_any(keys);
+}
+
+Tensor autocast(const Tensor& t, bool cast, at::ScalarType dtype) {
+  return cast && t.defined() && t.is_floating_point() && t.scalar_type() != at::kDouble ? t.to(dtype) : t;
+}
+
+py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, bool linear, bool autocast_like_linear) {
+  const Tensor* a_ptr = plain_tensor(a_obj);
+  const Tensor* w_ptr = plain_tensor(w_obj);
+  const Tensor* bias_ptr = bias_obj.is_none() ? nullptr : plain_tensor(bias_obj);
+  if (a_ptr == nullptr || w_ptr == nullptr || (!bias_obj.is_none() && bias_ptr == nullptr)) return py::none();
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled() ||
+      MatmulReLU::functorch_active() || MatmulReLU::dual_level_open()) {
+    return py::none();
+  }
+  bool cast = autocast_like_linear && at::autocast::is_autocast_enabled(at::kCUDA);
+  at::ScalarType autocast_dtype = cast ? at::autocast::get_autocast_dtype(at::kCUDA) : at::kFloat;
+  Tensor a = autocast(*a_ptr, cast && a_ptr->is_cuda(), autocast_dtype);
+  Tensor w = autocast(*w_ptr, cast && w_ptr->is_cuda(), autocast_dtype);
+  Tensor bias = bias_ptr ? autocast(*bias_ptr, cast && bias_ptr->is_cuda(), autocast_dtype) : Tensor();
+  auto dtype = a.scalar_type();
+  if (!a.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) return py::none();
+  for (const Tensor* t : {&a, &w, &bias}) {
+    if (!t->defined()) continue;
+    if (t->scalar_type() != dtype || t->device() != a.device() || t->layout() != at::kStrided || transformed(*t)) {
+      return py::none();
+    }
+  }
+  if (a.dim() < 1 || w.dim() != 2) return py::none();
+  int64_t k = linear ? w.size(1) : w.size(0), n = linear ? w.size(0) : w.size(1);
+  if (a.size(-1) != k || (bias.defined() && (bias.dim() != 1 || bias.size(0) != n))) return py::none();
+  if (a.numel() == 0 || n == 0) return py::none();
+  bool grad = at::GradMode::is_enabled() &&
+              (a.requires_grad() || w.requires_grad() || (bias.defined() && bias.requires_grad()));
+  return py::cast(grad ? MatmulReLU::apply(a, w, bias, linear) : MatmulReLU::compute(a, w, bias, linear));
+}
+
+// ---------------------------------------------------------------------------------------------
+// What Python calls
+// ---------------------------------------------------------------------------------------------
+
+void register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors, int device,
+                   uint64_t function, std::vector<int64_t> grid, int num_warps, int num_ctas, int shared,
+                   bool cooperative, bool pdl, int64_t scratch_bytes, std::vector<uint64_t> params,
+                   std::vector<int> tensor_params) {
+  TORCH_CHECK(grid.size() == 3 && params.size() >= 2, "fuselab eager path: a plan needs a 3-D grid and its scratch slots");
+  for (int slot : tensor_params) TORCH_CHECK(slot >= 0 && slot < static_cast<int>(params.size()) - 2, "bad tensor slot");
+  Key key = std::move(key_ints);
+  for (auto& t : key_tensors) append_layout(key, t ? &*t : nullptr);
+  auto plan = std::make_shared<Plan>(Plan{reinterpret_cast<CUfunction>(function),
+                                          {static_cast<unsigned>(grid[0]), static_cast<unsigned>(grid[1]),
+                                           static_cast<unsigned>(grid[2])},
+                                          num_warps, num_ctas, shared, cooperative, pdl, scratch_bytes, device,
+                                          std::move(params), std::move(tensor_params)});
+  std::unique_lock<std::shared_mutex> lock(plans_mutex);
+  if (plans.size() >= kMaxPlans) plans.clear();
+  plans[std::move(key)] = std::move(plan);
+}
+
+bool has_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors) {
+  Key key = std::move(key_ints);
+  for (auto& t : key_tensors) append_layout(key, t ? &*t : nullptr);
+  return find_plan(key) != nullptr;
+}
+
+void clear_plans() {
+  std::unique_lock<std::shared_mutex> lock(plans_mutex);
+  plans.clear();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  parameter_type = reinterpret_cast<PyTypeObject*>(py::module::import("torch.nn").attr("Parameter").ptr());
+  m.attr("GEMM_KIND") = kGemmKind;
+  m.def("matmul_relu", &matmul_relu, py::arg("a"), py::arg("weight"), py::arg("bias"), py::arg("linear"),
+        py::arg("autocast"));
+  m.def("register_plan", &register_plan);
+  m.def("has_plan", &has_plan);
+  m.def("clear_plans", &clear_plans);
+  m.def("set_gemm_fallback", [](py::object fn) {
+    if (gemm_fallback == nullptr) gemm_fallback = new py::object();
+    *gemm_fallback = std::move(fn);
+  });
+  m.def("plan_count", [] {
+    std::shared_lock<std::shared_mutex> lock(plans_mutex);
+    return plans.size();
+  });
+}

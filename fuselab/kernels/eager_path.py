@@ -1,0 +1,171 @@
+"""The fused op's eager host path in C++ (``csrc/eager_path.cpp``), built just in time.
+
+An eager ``relu(linear(x))`` through Python (an ``autograd.Function``, argument checks, Triton's
+launcher) costs several times the host time of aten's C++ ops, and decoders in eager mode are
+host-bound. The C++ path makes the same call as one C++ function: the checks, the output, a C++
+autograd node, and a ``cuLaunchKernelEx`` of the cubin Triton compiled for the chosen config (a
+launch plan, as AOTInductor launches Triton kernels). Its backward is C++ too.
+
+Python keeps everything else: Triton compiles and the autotuner chooses; each eager launch that
+Python's ``_gemm`` makes is registered here (``register_plan``) under a key of the tensors' layouts;
+a call whose GEMM has no plan yet goes back to ``_gemm`` (which plans it). ``call`` returns None for
+anything the C++ path does not serve exactly (not CUDA fp16/bf16, tensor subclasses, modes,
+torch.func, forward-mode AD, tracing): the Python path serves those and raises on bad input.
+
+The extension is built on the first eager CUDA launch (``FUSELAB_EAGER_CPP=0`` turns the path off)
+into ``$FUSELAB_CACHE_DIR/torch_extensions`` with the C++ compiler alone: CUDA's headers come with
+Triton, the driver is opened at run time. A failed build warns once and leaves the Python path.
+"""
+import contextlib
+import struct
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+
+from fuselab import settings
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "eager_path.cpp"
+
+# The first int of a GEMM plan's key; eager_path.cpp's kGemmKind (checked when it loads).
+GEMM_KIND = 1
+
+# The loaded extension while the path is on, else None: ``call``'s one test on the hot path.
+extension = None
+_load_state = "not tried"  # "not tried" | "loaded" | "failed" | "off"
+
+# Triton's argument types the plans pass, as the launcher packs them (8-byte slots, little-endian).
+_INT_TYPES = ("i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64")
+
+
+def call(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *, linear: bool,
+         autocast: bool) -> Optional[torch.Tensor]:
+    """``relu(a @ b + bias)`` by the C++ path (``b`` is ``weight.t()`` when ``linear``), or None where
+    the Python path must serve the call. ``autocast``: cast as ``nn.Linear`` is under autocast."""
+    if torch.compiler.is_compiling() or extension is None or forward_ad._current_level >= 0:
+        return None
+    return extension.matmul_relu(a, weight, bias, linear, autocast)
+
+
+def may_plan() -> bool:
+    """Whether launches should be registered here: the path is loaded, or not tried yet."""
+    return _load_state in ("loaded", "not tried")
+
+
+def enable(on: bool = True) -> None:
+    """Turn the C++ path on (building it if needed) or off for this process (benchmarks compare both)."""
+    global extension, _load_state
+    if not on:
+        extension, _load_state = None, "off"
+        return
+    _load_state = "not tried"
+    _load()
+
+
+@contextlib.contextmanager
+def disabled():
+    """The Python path for the calls made inside (benchmarks compare the two paths)."""
+    global extension, _load_state
+    saved = extension, _load_state
+    enable(False)
+    try:
+        yield
+    finally:
+        extension, _load_state = saved
+
+
+def register_plan(key_ints: Sequence[int], key_tensors: Sequence[Optional[torch.Tensor]], plan) -> None:
+    """Register a launch Python just made (``_runtime._LaunchPlan``) for the C++ path, under
+    ``key_ints`` plus the layouts of ``key_tensors`` (the kernel's tensor arguments, Nones included)."""
+    ext = _load()
+    if ext is None:
+        return
+    params = _kernel_params(plan)
+    if params is None:
+        return
+    values, tensor_slots = params
+    compiled = plan.compiled
+    num_warps, num_ctas, shared = compiled.packed_metadata
+    programs = plan.grid[0] * plan.grid[1] * plan.grid[2] * num_ctas
+    scratch = compiled.metadata.global_scratch_size * programs
+    ext.register_plan(list(key_ints), list(key_tensors), plan.device, compiled.function, list(plan.grid),
+                      num_warps, num_ctas, shared, bool(compiled.metadata.launch_cooperative_grid),
+                      bool(getattr(compiled.metadata, "launch_pdl", False)), scratch, values, tensor_slots)
+
+
+def _kernel_params(plan):
+    """The kernel's parameters as Triton's launcher passes them (its non-constexpr arguments in
+    order, then the global and profile scratch pointers), each packed into an 8-byte slot with 0 at
+    each tensor's slot; None where the kernel takes something this path does not pass."""
+    compiled = plan.compiled
+    metadata = compiled.metadata
+    if getattr(metadata, "profile_scratch_size", 0) or getattr(metadata, "num_ctas", 1) != 1:
+        return None
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(signature, dict) or len(signature) != len(plan.values):
+        return None
+    tensor_slots_of = set(plan.slots)
+    values, tensor_slots = [], []
+    for i, (ty, value) in enumerate(zip(signature.values(), plan.values)):
+        if ty == "constexpr":
+            continue
+        if i in tensor_slots_of and isinstance(ty, str) and ty.startswith("*"):
+            tensor_slots.append(len(values))
+            values.append(0)
+        elif ty in _INT_TYPES and isinstance(value, (bool, int)):
+            values.append(int(value) & 0xFFFFFFFFFFFFFFFF)
+        elif ty in ("fp32", "f32") and isinstance(value, (int, float)):
+            values.append(struct.unpack("<I", struct.pack("<f", value))[0])
+        elif ty == "fp64" and isinstance(value, (int, float)):
+            values.append(struct.unpack("<Q", struct.pack("<d", value))[0])
+        else:
+            return None
+    if len(tensor_slots) != len(plan.slots):
+        return None
+    return values + [0, 0], tensor_slots
+
+
+def _load():
+    """The extension, built and loaded on first use; None when off or when it cannot be built."""
+    global extension, _load_state
+    if _load_state == "loaded":
+        return extension
+    if _load_state != "not tried":
+        return None
+    if not settings.EAGER_CPP.get():
+        _load_state = "off"
+        return None
+    try:
+        ext = build()
+    except Exception as e:  # a missing compiler or a failed build: the Python path still serves every call
+        _load_state = "failed"
+        warnings.warn(f"fuselab: the C++ eager path could not be built, eager calls take the Python path "
+                      f"(more host time per call): {e}", RuntimeWarning, stacklevel=3)
+        return None
+    if ext.GEMM_KIND != GEMM_KIND:
+        raise RuntimeError(f"fuselab: {SOURCE.name} was built with GEMM_KIND {ext.GEMM_KIND}, expected {GEMM_KIND}")
+    from fuselab.kernels.matmul_relu_triton import _gemm
+
+    ext.set_gemm_fallback(_gemm)
+    extension, _load_state = ext, "loaded"
+    return ext
+
+
+def build(verbose: bool = False):
+    """Compile ``csrc/eager_path.cpp`` (cached on disk) and import it; RuntimeError if it fails."""
+    import triton
+    from torch.utils import cpp_extension
+
+    cuda_headers = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    name = "fuselab_eager_path"
+    build_dir = settings.CACHE_DIR.get() / "torch_extensions" / f"torch-{torch.__version__}" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():
+        print(f"fuselab: building the C++ eager path into {build_dir} (once per torch version, about a minute)",
+              file=sys.stderr, flush=True)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                              extra_include_paths=[str(cuda_headers)], extra_cflags=["-O2"],
+                              extra_ldflags=["-lc10_cuda"], with_cuda=False, verbose=verbose)

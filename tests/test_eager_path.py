@@ -1,0 +1,271 @@
+"""The C++ eager path (fuselab.kernels.eager_path): built here with the C++ compiler alone; its launch
+plans keyed by layout, its packing of Triton's arguments, and the entry points that try it first. Its
+launches run on the GPU (the ``gpu`` tests below): each result must equal the Python path's bit for bit.
+"""
+import importlib
+import types
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from reference import assert_close, dot_bound, randn
+
+from fuselab import settings
+from fuselab.kernels import eager_path, linear_relu, matmul_relu
+from fuselab.nn import FusedLinearReLU
+from fuselab.nn.linear_relu import fused_linear_relu, fused_matmul_relu
+
+runtime = importlib.import_module("fuselab.kernels._runtime")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return eager_path.build()
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    """A stand-in extension that records the calls made to it and answers ``answer``."""
+    calls = []
+    fake = types.SimpleNamespace(answer=None)
+
+    def matmul_relu_entry(a, weight, bias, linear, autocast):
+        calls.append((a, weight, bias, linear, autocast))
+        return fake.answer
+
+    fake.matmul_relu, fake.calls = matmul_relu_entry, calls
+    monkeypatch.setattr(eager_path, "extension", fake)
+    return fake
+
+
+# ---------------------------------------------------------------------------------------------
+# The extension, on a CPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_extension_builds_and_declines_what_it_does_not_serve(ext):
+    assert ext.GEMM_KIND == eager_path.GEMM_KIND
+    x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+    assert ext.matmul_relu(x, w, b, True, True) is None  # a CPU tensor: the Python path's
+    assert ext.matmul_relu(x.double(), w.double(), None, True, False) is None
+    assert ext.matmul_relu([1.0], w, b, True, False) is None  # not a tensor: the Python path raises
+
+
+@pytest.mark.slow
+def test_plans_are_keyed_by_every_layout_detail(ext):
+    ext.clear_plans()
+    buffer = torch.zeros(64, 40, dtype=torch.bfloat16)
+    a, b, c = buffer[:16, :8], torch.zeros(8, 24, dtype=torch.bfloat16), torch.zeros(16, 24, dtype=torch.bfloat16)
+    key = [eager_path.GEMM_KIND, -1, 1, 0]
+    ext.register_plan(key, [a, b, c, None, None, None], 0, 0, [1, 1, 1], 4, 1, 0, False, False, 0,
+                      [0, 0, 0, 16, 0, 0], [0, 1, 2])
+    assert ext.plan_count() == 1
+    assert ext.has_plan(key, [buffer[16:32, :8], b.clone(), c.clone(), None, None, None])  # other data, same layout
+    assert not ext.has_plan(key, [a.contiguous(), b, c, None, None, None])  # other strides
+    assert not ext.has_plan(key, [buffer[:16, 1:9], b, c, None, None, None])  # 2-byte offset: other alignment
+    assert not ext.has_plan(key, [a.float(), b, c, None, None, None])  # other dtype
+    assert not ext.has_plan(key, [a, b, c, b[0], None, None])  # a bias where the plan had none
+    assert not ext.has_plan([eager_path.GEMM_KIND, -1, 0, 0], [a, b, c, None, None, None])  # no ReLU
+    with pytest.raises(RuntimeError, match="bad tensor slot"):
+        ext.register_plan(key, [a], 0, 0, [1, 1, 1], 4, 1, 0, False, False, 0, [0, 0, 0], [1])
+    ext.clear_plans()
+    assert ext.plan_count() == 0
+
+
+def _plan(signature, values, slots, **metadata):
+    compiled = types.SimpleNamespace(src=types.SimpleNamespace(signature=signature),
+                                     metadata=types.SimpleNamespace(**metadata))
+    return types.SimpleNamespace(compiled=compiled, values=values, slots=slots)
+
+
+def test_kernel_params_are_packed_as_tritons_launcher_passes_them():
+    signature = {"x_ptr": "*bf16", "bias_ptr": "constexpr", "M": "i32", "stride": "constexpr",
+                 "big": "i64", "lr": "fp32", "eps": "fp64", "BLOCK": "constexpr", "y_ptr": "*fp32"}
+    values = [None, None, -3, 1, 2**40, 0.5, 0.25, 64, None]
+    params, slots = eager_path._kernel_params(_plan(signature, values, [0, 8]))
+    # constexprs (None pointers and ints specialized to 1 too) take no slot; two scratch pointers end it
+    assert params == [0, 2**64 - 3, 2**40, 0x3F000000, 0x3FD0000000000000, 0, 0, 0]
+    assert slots == [0, 5]
+    assert params[1] & 0xFFFFFFFF == 2**32 - 3  # the low 4 bytes are the i32 the kernel reads
+
+
+def test_kernel_params_refuse_what_the_path_cannot_pass():
+    signature = {"x_ptr": "*bf16", "h": "fp16"}
+    assert eager_path._kernel_params(_plan(signature, [None, 1.0], [0])) is None  # a 16-bit float argument
+    assert eager_path._kernel_params(_plan({"x_ptr": "*bf16"}, [None], [0], profile_scratch_size=64)) is None
+    assert eager_path._kernel_params(_plan({"x_ptr": "*bf16"}, [None], [0], num_ctas=2)) is None
+    assert eager_path._kernel_params(_plan({"x_ptr": "*bf16"}, [None, 3], [0])) is None  # signature/arguments differ
+
+
+def test_switched_off_by_its_setting(env, monkeypatch):
+    env.setenv("FUSELAB_EAGER_CPP", "0")
+    settings.reload()
+    monkeypatch.setattr(eager_path, "_load_state", "not tried")
+    monkeypatch.setattr(eager_path, "build", lambda: pytest.fail("a build started"))
+    assert eager_path._load() is None and not eager_path.may_plan()
+
+
+def test_failed_build_warns_once_and_leaves_the_python_path(monkeypatch):
+    monkeypatch.setattr(eager_path, "_load_state", "not tried")
+    monkeypatch.setattr(eager_path, "build", lambda: (_ for _ in ()).throw(RuntimeError("no g++")))
+    with pytest.warns(RuntimeWarning, match="could not be built.*no g\\+\\+"):
+        assert eager_path._load() is None
+    assert eager_path._load() is None and eager_path.extension is None and not eager_path.may_plan()
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points: the C++ path first, the Python path where it declines
+# ---------------------------------------------------------------------------------------------
+
+
+def test_entry_points_try_the_cpp_path_first(stub):
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    stub.answer = sentinel = torch.full((3, 5), 7.0)
+    layer = FusedLinearReLU(8, 5)
+    assert fused_linear_relu(x, w, b) is sentinel and layer(x) is sentinel
+    assert fused_matmul_relu(x, w.t(), b) is sentinel
+    assert linear_relu(x, w, b) is sentinel and matmul_relu(x, w.t(), b) is sentinel
+    flags = [(linear, autocast) for *_, linear, autocast in stub.calls]
+    # the layers cast as nn.Linear does under autocast; the kernels' API never casts
+    assert flags == [(True, True), (True, True), (False, True), (True, False), (False, False)]
+
+
+def test_a_declined_call_takes_the_python_path(stub):
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    stub.answer = None
+    assert torch.equal(fused_linear_relu(x, w, b), torch.relu(torch.nn.functional.linear(x, w, b)))
+    assert stub.calls  # asked first
+
+
+def test_cpp_path_is_not_asked_under_forward_ad_or_while_compiling(stub, monkeypatch):
+    stub.matmul_relu = lambda *args: pytest.fail("the C++ path was asked")
+    x, w = torch.randn(3, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    with fwAD.dual_level():
+        out = fused_linear_relu(fwAD.make_dual(x, torch.ones_like(x)), w)
+        assert fwAD.unpack_dual(out).tangent is not None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert eager_path.call(x, w, None, linear=True, autocast=True) is None
+
+
+def test_disabled_restores_the_state_it_found(monkeypatch, stub):
+    with eager_path.disabled():
+        assert eager_path.extension is None and eager_path.call(torch.ones(1, 1), torch.ones(1, 1), None,
+                                                                linear=True, autocast=False) is None
+    assert eager_path.extension is stub
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU: the C++ path's results equal the Python path's, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+def _run(fn, inputs, grad):
+    for t in inputs:
+        if t is not None:
+            t.grad = None
+    y = fn()
+    y.backward(grad)
+    return y.detach().clone(), [None if t is None else t.grad.clone() for t in inputs]
+
+
+def _node_name(y) -> str:
+    return y.grad_fn.name() if y.grad_fn is not None else "none"
+
+
+@pytest.fixture
+def loaded():
+    ext = eager_path._load()
+    if ext is None:
+        pytest.fail("the C++ eager path did not load on this GPU machine")
+    return ext
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["linear", "matmul", "linear-3d-nobias", "matmul-strided-bias"])
+def test_cpp_path_equals_python_path(loaded, dtype, layout):
+    M, N, K = 300, 264, 136
+    x = randn(2, M // 2, K, dtype=dtype, device="cuda") if "3d" in layout else randn(M, K, dtype=dtype, device="cuda")
+    w = randn(N, K, dtype=dtype, device="cuda") if layout.startswith("linear") else randn(K, N, dtype=dtype, device="cuda")
+    bias = None if "nobias" in layout else randn(N, dtype=dtype, device="cuda")
+    if "strided" in layout:
+        bias = randn(2 * N, dtype=dtype, device="cuda")[::2]
+    for t in (x, w, bias):
+        if t is not None:
+            t.requires_grad_(True)
+    fn = (lambda: linear_relu(x, w, bias)) if layout.startswith("linear") else (lambda: matmul_relu(x, w, bias))
+    grad = randn(*x.shape[:-1], N, dtype=dtype, device="cuda")
+    first = _run(fn, (x, w, bias), grad)  # plans every GEMM (Python), then the C++ path launches them
+    y_cpp, grads_cpp = _run(fn, (x, w, bias), grad)
+    assert "MatmulReLU" in _node_name(fn()) and "Eager" not in _node_name(fn()), _node_name(fn())
+    with eager_path.disabled():
+        assert "Eager" in _node_name(fn())
+        y_py, grads_py = _run(fn, (x, w, bias), grad)
+    assert torch.equal(y_cpp, y_py) and torch.equal(first[0], y_py)
+    for g_cpp, g_py in zip(grads_cpp, grads_py):
+        assert (g_cpp is None and g_py is None) or torch.equal(g_cpp, g_py)
+    b = w.t() if layout.startswith("linear") else w
+    ref = torch.relu(x.double() @ b.double() + (0 if bias is None else bias.double()))
+    assert_close(y_cpp, ref, dot_bound(dtype, K, x.double().abs(), b.double().abs()) + 2.0**-8 * ref.abs(), "forward")
+
+
+@pytest.mark.gpu
+def test_cpp_path_no_grad_autocast_and_double_backward(loaded):
+    layer = FusedLinearReLU(136, 264).cuda()  # fp32 parameters: autocast casts them, as nn.Linear's
+    x = randn(40, 136, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+        with eager_path.disabled():
+            y_py = layer(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_py) and "MatmulReLU" in _node_name(y)
+    layer = layer.to(torch.bfloat16)
+    with torch.no_grad():
+        assert layer(x.bfloat16()).grad_fn is None
+    # create_graph: the backward is PyTorch's differentiable ops, so its own gradient is PyTorch's
+    xb = x.detach().bfloat16().requires_grad_(True)
+    (gx,) = torch.autograd.grad(layer(xb).sum(), xb, create_graph=True)
+    (gx_ref,) = torch.autograd.grad(torch.relu(torch.nn.functional.linear(xb, layer.weight, layer.bias)).sum(), xb,
+                                    create_graph=True)
+    assert gx.requires_grad
+    assert_close(gx, gx_ref.double(), 2.0**-7 * gx_ref.double().abs() + 1e-2, "double backward's first gradient")
+
+
+@pytest.mark.gpu
+def test_cpp_path_replays_in_a_cuda_graph(loaded):
+    layer = FusedLinearReLU(256, 512).cuda().to(torch.bfloat16)
+    x = randn(64, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    for _ in range(2):  # plans made before the capture
+        layer(x).sum().backward()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        y = layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.data.copy_(randn(64, 256, dtype=torch.bfloat16, device="cuda"))
+    graph.replay()
+    with eager_path.disabled():
+        expected = layer(x)
+    assert torch.equal(y, expected)
+
+
+@pytest.mark.gpu
+def test_cpp_path_declines_fp32_subclasses_and_modes(loaded):
+    x, w = randn(8, 16, device="cuda"), randn(4, 16, device="cuda")
+    assert loaded.matmul_relu(x, w, None, True, False) is None  # fp32: the Python path chooses cuBLAS or tf32
+
+    class Sub(torch.Tensor):
+        pass
+
+    xs = x.bfloat16()
+    assert loaded.matmul_relu(xs.as_subclass(Sub), w.bfloat16(), None, True, False) is None
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert loaded.matmul_relu(xs, w.bfloat16(), None, True, False) is None
+    assert loaded.matmul_relu(xs, w.bfloat16(), None, True, False) is not None

@@ -178,8 +178,8 @@ def test_layouts_batches_and_strided_scales(device, kind):
     # a strided b_scale and a strided bias: each read at its strides.
     K, N = 37, 41
     quantize = quantize_int8_rowwise if kind == "int8" else quantize_fp8_rowwise
-    a, _ = quantize(torch.randn(K, 6, device=device).t())  # elementwise ops keep the column-major layout
-    a = a.reshape(2, 3, K)
+    a, _ = quantize(torch.randn(6, K, device=device))
+    a = a.t().contiguous().t().reshape(2, 3, K)  # column-major in memory
     assert a.stride()[-1] != 1
     a_scale = torch.rand((), device=device) + 0.5
     w, _ = quantize(torch.randn(N, K, device=device))

@@ -11,8 +11,8 @@ from fuselab.quant.config import (
            Int8StaticActivationInt8WeightConfig,
 )
 from fuselab.quant.distill import DistillationLoss
-from fuselab.quant.fp8_gemm import fp8_matmul, quantize_fp8_rowwise
-from fuselab.quant.int8_gemm import int8_matmul, quantize_int8_rowwise, quantize_int8_static
+from fuselab.quant.fp8_gemm import fp8_matmul
+from fuselab.quant.int8_gemm import int8_matmul
 from fuselab.quant.modules import Float8Linear, Int8Linear
 from fuselab.quant.pt2e import quantize_pt2e_x86
 from fuselab.quant.quantize import (
@@ -23,6 +23,7 @@ from fuselab.quant.quantize import (
            register_quantize_module_handler,
            relative_error,
 )
+from fuselab.quant.rowwise import quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
 
 __all__ = ["Calibration", "DistillationLoss", "Float8Linear", "Float8RowwiseConfig",
            "Int8DynamicActivationInt8WeightConfig", "Int8Linear", "Int8StaticActivationInt8WeightConfig",

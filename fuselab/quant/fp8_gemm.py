@@ -12,33 +12,15 @@ newer: Ada, Hopper; elsewhere on CUDA the op raises) and in the interpreter; on 
 GEMM of the upcast operands (exact products, fp32 sums: the same math in another summation order)
 and the same epilogue, so an fp8 model can be checked without a GPU.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from fuselab.kernels._runtime import ExecutionPath, cuda_capability, execution_path, register_op
 from fuselab.quant._scaled_gemm import call, check_inputs, scaled_gemm, torch_epilogue
+from fuselab.quant.rowwise import FP8_DTYPE
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores (Ada, Hopper)
-_TINY = torch.finfo(torch.float32).tiny
-
-# ----------------------------------------------------------------------------------------------
-# Quantization of the operands
-# ----------------------------------------------------------------------------------------------
-
-
-def quantize_fp8_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: ``x`` (..., K) as float8_e4m3fn with one fp32 scale per row, shaped
-    x.shape[:-1]; ``x ~ q * scale[..., None]``, ``scale = absmax(row) / 448`` (e4m3's largest value).
-    Not differentiable."""
-    x = x.detach()
-    scale = x.abs().amax(dim=-1).to(torch.float32).clamp_(min=_TINY).div_(FP8_MAX)  # amax's result: fresh
-    # Clamped first: a quotient that rounds past 448 would become NaN (e4m3fn has no infinity).
-    q = (x.to(torch.float32) / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # the quotient is new
-    return q, scale
-
 
 # ----------------------------------------------------------------------------------------------
 # The op: registration and its two bodies

@@ -10,39 +10,17 @@ accumulators, as ``torch._int_mm`` does.
 Where it runs (``execution_path``): fuselab's Triton kernel on CUDA (and in the interpreter), and
 on a CPU PyTorch's int8 GEMM (``torch._int_mm``) and the same epilogue in PyTorch's fp32 ops. Both
 accumulate integers, so both give the same int32 accumulators bit for bit; the epilogues agree to
-within fp32 rounding. The quantization helpers below make the operands: symmetric, scale = absmax/127.
+within fp32 rounding. The operands come from ``fuselab.quant.rowwise``: symmetric, scale = absmax/127.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from fuselab.kernels._runtime import ExecutionPath, execution_path, register_op
 from fuselab.quant._scaled_gemm import call, check_inputs, scaled_gemm, torch_epilogue
 
-QMAX = 127  # symmetric: -128 is never produced, so |q| <= 127 and the scale is absmax / 127
 # |a*b| <= 128**2 = 2**14 for any int8 operands: K below 2**17 cannot overflow the int32 accumulators.
 MAX_K = 2**17 - 1
-_TINY = torch.finfo(torch.float32).tiny  # an all-zero row gets a tiny positive scale, not 0 (0/0)
-
-# ----------------------------------------------------------------------------------------------
-# Quantization of the operands
-# ----------------------------------------------------------------------------------------------
-
-
-def quantize_int8_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: ``x`` (..., K) as int8 with one symmetric fp32 scale per row, shaped x.shape[:-1];
-    ``x ~ q * scale[..., None]``, ``scale = absmax(row) / 127``. Not differentiable (rounding)."""
-    x = x.detach()
-    scale = x.abs().amax(dim=-1).to(torch.float32).clamp_(min=_TINY).div_(QMAX)  # amax's result: fresh
-    return quantize_int8_static(x, scale[..., None]), scale
-
-
-def quantize_int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``round(x / scale)`` clamped to [-127, 127], as int8; ``scale`` broadcasts against ``x``
-    (a calibrated per-tensor scale clips values beyond the calibrated range)."""
-    # The quotient is a new tensor: rounded and clamped in place (one fp32 temporary per call, not three).
-    return (x.detach().to(torch.float32) / scale).round_().clamp_(-QMAX, QMAX).to(torch.int8)
-
 
 # ----------------------------------------------------------------------------------------------
 # The op: registration and its two bodies

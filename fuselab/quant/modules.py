@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.quant.fp8_gemm import FP8_DTYPE, fp8_matmul, quantize_fp8_rowwise
-from fuselab.quant.int8_gemm import int8_matmul, quantize_int8_rowwise, quantize_int8_static
+from fuselab.quant.fp8_gemm import fp8_matmul
+from fuselab.quant.int8_gemm import int8_matmul
+from fuselab.quant.rowwise import FP8_DTYPE, quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:

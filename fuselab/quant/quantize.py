@@ -25,8 +25,8 @@ from fuselab.quant.config import (
     Int8StaticActivationInt8WeightConfig,
 )
 from fuselab.quant.fp8_gemm import check_fp8_device
-from fuselab.quant.int8_gemm import QMAX
 from fuselab.quant.modules import Float8Linear, Int8Linear
+from fuselab.quant.rowwise import INT8_QMAX
 
 # ----------------------------------------------------------------------------------------------
 # Handlers: one per config type
@@ -96,7 +96,7 @@ class Calibration:
     samples: Mapping[str, torch.Tensor]
     n_batches: int
 
-    def act_scales(self, qmax: int = QMAX) -> Dict[str, float]:
+    def act_scales(self, qmax: int = INT8_QMAX) -> Dict[str, float]:
         """Symmetric per-tensor scales, ``absmax / qmax`` (int8: 127), for
         ``Int8StaticActivationInt8WeightConfig``; a layer that only saw zeros gets the smallest
         positive scale."""

@@ -1,0 +1,88 @@
+"""Per-row quantization of activations (fuselab.quant.rowwise): the kernel (interpreter here, CUDA on
+the GPU) must give PyTorch's ops' bits exactly, for every dtype, layout and rounding case."""
+import pytest
+import torch
+
+from fuselab.quant import rowwise
+from fuselab.quant.rowwise import FP8_MAX, quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _same(q, ref) -> bool:
+    """Bitwise equality (fp8 compared through its bytes: NaN == NaN there)."""
+    return q.dtype == ref.dtype and torch.equal(q.view(torch.int8), ref.view(torch.int8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+def test_kernel_gives_pytorchs_bits(device, dtype, fp8):
+    # 3-D, a zero row, a row with one large value, and K above one block (two loop trips).
+    x = torch.randn(2, 5, 4100, device=device).to(dtype)
+    x[0, 1] = 0
+    x[1, 2, 7] = 300.0
+    q, scale = torch.ops.fuselab.quantize_rows(x, fp8)
+    q_ref, scale_ref = rowwise._torch_rowwise(x, fp8)
+    assert q.shape == x.shape and scale.shape == (2, 5)
+    assert torch.equal(scale, scale_ref), (scale - scale_ref).abs().max()
+    assert _same(q, q_ref), (q.float() - q_ref.float()).abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_halfway_quotients_round_to_even(device):
+    # x / scale lands exactly on k + 0.5: int8 rounds to the even neighbour, as torch.round does.
+    halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 125.5, -126.5, 127.0], device=device)
+    q, scale = quantize_int8_rowwise(halves[None])
+    assert scale.item() == 1.0
+    assert q.tolist() == [[0, 2, 2, 0, -2, 126, -126, 127]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_rounding_that_carries_into_the_exponent(device):
+    # quotients just below a power of two round up to it (the step doubles there), and the largest
+    # finite value is never exceeded.
+    row = torch.tensor([448.0, 127.2, -127.9, 15.6, 0.0, 2.0**-8, 3 * 2.0**-10, -63.9], device=device)
+    q, scale = quantize_fp8_rowwise(row[None])
+    assert scale.item() == 1.0
+    assert q.float().tolist() == [[448.0, 128.0, -128.0, 16.0, 0.0, 2.0**-8, 2.0**-8, -64.0]]
+    assert _same(q, rowwise._torch_rowwise(row[None], True)[0])
+    assert q.float().abs().max() <= FP8_MAX
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_static_scale(device):
+    base = torch.randn(6, 300, device=device, dtype=torch.bfloat16)
+    x = base[:, 10:200]  # rows 300 apart, a 10-element offset
+    assert _same(quantize_int8_rowwise(x)[0], rowwise._torch_rowwise(x, False)[0])
+    xt = torch.randn(64, 6, device=device).t()  # K strided: copied once, quantized the same
+    assert _same(quantize_fp8_rowwise(xt)[0], rowwise._torch_rowwise(xt, True)[0])
+    scale = torch.tensor(0.013, device=device)  # clips beyond 127 * 0.013
+    assert _same(quantize_int8_static(x, scale), rowwise._torch_static(x, scale))
+    per_row = torch.rand(6, 1, device=device) + 0.01  # not one scale: PyTorch's ops
+    assert _same(quantize_int8_static(x, per_row), rowwise._torch_static(x, per_row))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_bad_inputs(device):
+    q, scale = quantize_int8_rowwise(torch.empty(0, 8, device=device))
+    assert q.shape == (0, 8) and scale.shape == (0,)
+    q, scale = quantize_fp8_rowwise(torch.empty(3, 0, device=device))
+    assert q.shape == (3, 0) and (scale > 0).all()
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16, got torch.int32"):
+        quantize_int8_rowwise(torch.ones(2, 3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="0-d"):
+        quantize_fp8_rowwise(torch.tensor(1.0, device=device))
+    with pytest.raises(ValueError, match="one float32 value"):
+        torch.ops.fuselab.quantize_static(torch.ones(2, 3, device=device), torch.ones(2, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = torch.randn(5, 40, device=device, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.fuselab.quantize_rows, (x, False))
+    torch.library.opcheck(torch.ops.fuselab.quantize_static, (x, torch.tensor(0.02, device=device)))
+    # test_schema compares outputs with ops PyTorch lacks for fp8 tensors
+    torch.library.opcheck(torch.ops.fuselab.quantize_rows, (x, True),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

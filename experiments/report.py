@@ -17,6 +17,7 @@ README.md's headline table is written between ``<!-- results:headline -->`` and
 ``<!-- /results:headline -->``; without those markers this fails and says so.
 """
 import argparse
+import importlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ class Spec:
     hide: Tuple[str, ...] = ()  # metrics left out of the generic tables (derivable from another)
     plot: Optional[Plot] = None
     orders: Dict[str, Sequence[str]] = field(default_factory=dict)  # value order per key (else first seen)
+    # A study that draws its own summary and figure (module with ``summary(res)`` and ``plot(res, path)``)
+    # names its module here; its rows then get no generic tables.
+    own_page: Optional[str] = None
 
 
 MATMUL_PROSE = """\
@@ -289,6 +293,20 @@ Adagrad cannot be captured: their `coalesce()` waits for the host); SparseAdamW'
 bytes it must move (`x floor`). Rows converted from before the sort-and-segment kernels say so in
 their run's note. See `experiments/sparse_embedding.py` for the exact setup.""",
         command="python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results"),
+    "distill_quantize": Spec(
+        title="Distillation and quantization on Fashion-MNIST",
+        prose="""\
+A ResNet-50-class teacher trained here on Fashion-MNIST; ResNet-18-class and small-CNN students
+distilled from it (`DistillationLoss`) and trained from scratch for the same budget, on the same seeds'
+initial weights and batches; then the distilled students quantized: on the GPU by `quantize_` (INT8
+dynamic and static, FP8 rowwise: every Linear; convolutions stay bf16), on the CPU by torchao's pt2e
+route (`quantize_pt2e_x86`, static INT8 convolutions and Linears). Accuracy is on the 10,000 test
+images; sizes are state_dict bytes; latencies are per batch (CPU: this machine's cores, wall; GPU:
+eager and replayed from a CUDA graph). See `experiments/distill_quantize.py` for the recipe.""",
+        command="python -m experiments.distill_quantize --device cuda --data data/fashion-mnist --teacher-epochs 10 "
+                "--epochs 6 --seeds 0,1,2 --save-students runs/students --results, then on a CPU "
+                "--load-students runs/students --merge --results",
+        own_page="experiments.distill_quantize"),
 }
 
 
@@ -495,6 +513,11 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
         out += [spec.prose, ""]
     if spec.command:
         out += [f"Re-measure: `{spec.command}` (on a GPU machine), then `python -m experiments.report`.", ""]
+    if spec.own_page is not None:
+        study = importlib.import_module(spec.own_page)
+        out += [f"![{spec.title}]({res.study}.png)", "", study.summary(res), ""]
+        out += ["### Runs", "", "Each row of the results names the run that measured it:", ""]
+        return "\n".join(out + environment_lines(res)).rstrip() + "\n"
     if has_plot(res, spec):
         out += [f"![{spec.title}]({res.study}.png)", ""]
     covered: set = set()
@@ -554,6 +577,8 @@ def tick_label(group: tuple) -> str:
 
 def plot_study(res: Results, spec: Spec, path: Path) -> Optional[Path]:
     """The study's bar chart (``spec.plot``) as a PNG; None when there is nothing to plot."""
+    if spec.own_page is not None:
+        return importlib.import_module(spec.own_page).plot(res, path)
     if not has_plot(res, spec):
         return None
     p = spec.plot

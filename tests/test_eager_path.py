@@ -213,7 +213,7 @@ def test_cpp_path_equals_python_path(loaded, dtype, layout):
 @pytest.mark.gpu
 def test_cpp_path_no_grad_autocast_and_double_backward(loaded):
     layer = FusedLinearReLU(136, 264).cuda()  # fp32 parameters: autocast casts them, as nn.Linear's
-    x = randn(40, 136, device="cuda", requires_grad=True)
+    x = randn(40, 136, dtype=torch.float32, device="cuda").requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = layer(x)
         with eager_path.disabled():
@@ -234,7 +234,7 @@ def test_cpp_path_no_grad_autocast_and_double_backward(loaded):
 @pytest.mark.gpu
 def test_cpp_path_replays_in_a_cuda_graph(loaded):
     layer = FusedLinearReLU(256, 512).cuda().to(torch.bfloat16)
-    x = randn(64, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    x = randn(64, 256, dtype=torch.bfloat16, device="cuda").requires_grad_(True)
     for _ in range(2):  # plans made before the capture
         layer(x).sum().backward()
     stream = torch.cuda.Stream()
@@ -252,7 +252,7 @@ def test_cpp_path_replays_in_a_cuda_graph(loaded):
 
 @pytest.mark.gpu
 def test_cpp_path_declines_fp32_subclasses_and_modes(loaded):
-    x, w = randn(8, 16, device="cuda"), randn(4, 16, device="cuda")
+    x, w = randn(8, 16, dtype=torch.float32, device="cuda"), randn(4, 16, dtype=torch.float32, device="cuda")
     assert loaded.matmul_relu(x, w, None, True, False) is None  # fp32: the Python path chooses cuBLAS or tf32
 
     class Sub(torch.Tensor):

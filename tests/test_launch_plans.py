@@ -15,6 +15,8 @@ import torch
 import triton
 from reference import check_forward_backward, randn
 
+from fuselab.kernels import eager_path
+
 runtime = importlib.import_module("fuselab.kernels._runtime")
 matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
 
@@ -62,6 +64,8 @@ def _plan_warnings(caught):
 def test_repeated_calls_relaunch_the_first_calls_kernel(monkeypatch):
     # From the second eager call of a layout on, _gemm relaunches a plan (launch_planned): on new
     # data, on a view whose 16-byte alignment differs (its own plan), forward and both products.
+    # (The Python path's plans; the C++ path launches its own copies of them: test_eager_path.py.)
+    monkeypatch.setattr(eager_path, "extension", None)
     relaunched = []
     call = runtime._LaunchPlan.__call__
     monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))

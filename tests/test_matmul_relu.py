@@ -10,7 +10,7 @@ import torch
 from reference import BIAS_LAYOUTS, DEVICES, DTYPES, check_forward_backward, rand_bias, randn
 
 import fuselab
-from fuselab.kernels import linear_relu, matmul_relu
+from fuselab.kernels import eager_path, linear_relu, matmul_relu
 
 matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
 
@@ -347,7 +347,9 @@ def test_forward_mode_refused_where_no_rule(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_first_order_backward_keeps_the_kernels(device, monkeypatch):
-    # Only a differentiated backward leaves the Triton products; an ordinary one launches them.
+    # Only a differentiated backward leaves the Triton products; an ordinary one launches them
+    # (the Python path's; the C++ path's backward: test_eager_path.py).
+    monkeypatch.setattr(eager_path, "extension", None)
     launches = []
     gemm = matmul_relu_module._gemm
     monkeypatch.setattr(matmul_relu_module, "_gemm", lambda *args, **kw: launches.append(1) or gemm(*args, **kw))

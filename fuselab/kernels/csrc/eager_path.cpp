@@ -188,18 +188,20 @@ Tensor right_operand(const Tensor& weight, bool linear) {
 }
 
 struct MatmulReLU : public torch::autograd::Function<MatmulReLU> {
-  static Tensor compute(const Tensor& a, const Tensor& weight, const Tensor& bias, bool linear) {
+  static Tensor compute(const Tensor& a, const Tensor& weight, const Tensor* bias, bool linear) {
     Tensor b = right_operand(weight, linear);
     Tensor y = at::empty(with_last(a, b.size(1)), a.options());
-    gemm(rows(a), b, rows(y), bias.defined() ? &bias : nullptr, /*relu=*/true);
+    gemm(rows(a), b, rows(y), bias, /*relu=*/true);
     return y;
   }
 
-  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& weight, const Tensor& bias, bool linear) {
-    Tensor y = compute(a, weight, bias, linear);
+  // bias: an optional, not an undefined Tensor (autograd records every Tensor input's device).
+  static Tensor forward(AutogradContext* ctx, const Tensor& a, const Tensor& weight,
+                        const std::optional<Tensor>& bias, bool linear) {
+    Tensor y = compute(a, weight, bias ? &*bias : nullptr, linear);
     ctx->save_for_backward({a, weight, y});
     ctx->saved_data["linear"] = linear;
-    ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["bias"] = bias.has_value();
     return y;
   }
 
@@ -208,7 +210,8 @@ struct MatmulReLU : public torch::autograd::Function<MatmulReLU> {
     const Tensor &a = saved[0], &weight = saved[1], &y = saved[2];
     bool linear = ctx->saved_data["linear"].toBool();
     bool need_a = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
-    bool need_bias = ctx->needs_input_grad(2) && ctx->saved_data["bias"].toBool();
+    // without a bias there are two input edges: ask for the third only when it exists
+    bool need_bias = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2);
     Tensor b = right_operand(weight, linear);
     Tensor g = at::threshold_backward(grads[0], y, 0);  // torch.relu's own gradient mask
     Tensor g2 = rows(g), a2 = rows(a);
@@ -299,7 +302,8 @@ py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, 
   if (a.numel() == 0 || n == 0) return py::none();
   bool grad = at::GradMode::is_enabled() &&
               (a.requires_grad() || w.requires_grad() || (bias.defined() && bias.requires_grad()));
-  return py::cast(grad ? MatmulReLU::apply(a, w, bias, linear) : MatmulReLU::compute(a, w, bias, linear));
+  if (!grad) return py::cast(MatmulReLU::compute(a, w, bias.defined() ? &bias : nullptr, linear));
+  return py::cast(MatmulReLU::apply(a, w, bias.defined() ? std::optional<Tensor>(bias) : std::nullopt, linear));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -206,8 +206,8 @@ def fp8_unsupported(device) -> Optional[str]:
 
 
 def _report_failure(results: Results, keys: dict, modes, error) -> None:
-    for mode in modes:
-        results.fail(**keys, mode=mode, error=error)
+    for mode in modes:  # the prefill's keys carry their mode already
+        results.fail(**dict(keys, mode=mode), error=error)
     print(f"FAILED {keys['op']} | {keys['provider']} | {keys['shape']}: {results.failed[-1]['error']}")
 
 

@@ -7,6 +7,12 @@ from fuselab.quant import rowwise
 from fuselab.quant.rowwise import FP8_MAX, quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(autouse=True)
+def kernel_on_cuda(monkeypatch):
+    """The kernel on CUDA too (off by default until these GPU tests have passed: rowwise.KERNEL_ON_CUDA)."""
+    monkeypatch.setattr(rowwise, "KERNEL_ON_CUDA", True)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -43,10 +49,11 @@ def test_halfway_quotients_round_to_even(device):
 def test_fp8_rounding_that_carries_into_the_exponent(device):
     # quotients just below a power of two round up to it (the step doubles there), and the largest
     # finite value is never exceeded.
-    row = torch.tensor([448.0, 127.2, -127.9, 15.6, 0.0, 2.0**-8, 3 * 2.0**-10, -63.9], device=device)
+    row = torch.tensor([448.0, 127.2, -127.9, 15.6, 0.0, 2.0**-8, 3 * 2.0**-10, -63.9, -2.0**-12], device=device)
     q, scale = quantize_fp8_rowwise(row[None])
     assert scale.item() == 1.0
-    assert q.float().tolist() == [[448.0, 128.0, -128.0, 16.0, 0.0, 2.0**-8, 2.0**-8, -64.0]]
+    assert q.float().tolist() == [[448.0, 128.0, -128.0, 16.0, 0.0, 2.0**-8, 2.0**-8, -64.0, -0.0]]
+    assert q.view(torch.int8)[0, -1] == -128  # -0: the sign of a value that rounds to zero is kept
     assert _same(q, rowwise._torch_rowwise(row[None], True)[0])
     assert q.float().abs().max() <= FP8_MAX
 
@@ -86,3 +93,38 @@ def test_opcheck(device):
     # test_schema compares outputs with ops PyTorch lacks for fp8 tensors
     torch.library.opcheck(torch.ops.fuselab.quantize_rows, (x, True),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+_COMPILE_FOR_HOPPER = """
+import sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fuselab.quant import rowwise
+
+base = {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32"}
+for q_type, qmax, to_int8, static in [("*i8", 127.0, True, False), ("*i8", 127.0, True, True),
+                                      ("*fp8e4nv", 448.0, False, False)]:
+    constexprs = {"QMAX": qmax, "TINY": rowwise._TINY, "TO_INT8": to_int8, "STATIC": static, "BLOCK_K": 1024}
+    signature = dict(base, q_ptr=q_type, **{name: "constexpr" for name in constexprs})
+    out = triton.compile(ASTSource(fn=rowwise.quantize_rows_kernel, signature=signature, constexprs=constexprs),
+                         target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in out.asm, sorted(out.asm)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_hopper_without_a_gpu():
+    # The interpreter accepts what the compiler refuses (a non-constexpr global did): compile the real
+    # cubin for sm_90, in a process without TRITON_INTERPRET.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]

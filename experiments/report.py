@@ -181,8 +181,10 @@ Cells are `do_bench` medians (eager mode).""",
 Microseconds per call of the fused op and of torch, bf16, `nn.Linear` layout, at OPT's fc1 with 256
 tokens (GPU work of a few microseconds: host time) and 8192 tokens (the GPU's share shows). Providers:
 `relu(addmm)` (torch, the baseline), `torch, Python backward` (the same through a Python
-`autograd.Function`: what a Python backward costs by itself), `fuselab` (launch plans: a repeated call
-relaunches the compiled kernel without Triton's argument binding) and `fuselab, no launch plans`.
+`autograd.Function`: what a Python backward costs by itself), `fuselab` (the default: the C++ eager
+path, one C++ function with a C++ autograd node launching the cubin Triton compiled), `fuselab, Python
+path` (the C++ path off: a Python autograd.Function and launch plans, which relaunch the compiled
+kernel without Triton's argument binding) and `fuselab, no launch plans` (the Python path without them).
 Modes: `host` is the host's time to enqueue one call; `eager` is `do_bench`'s time per call, host
 and device together. `python loop` times one pure-Python loop on the main thread and inside a
 backward (autograd's device thread), where a Python backward runs.""",
@@ -293,6 +295,22 @@ Adagrad cannot be captured: their `coalesce()` waits for the host); SparseAdamW'
 bytes it must move (`x floor`). Rows converted from before the sort-and-segment kernels say so in
 their run's note. See `experiments/sparse_embedding.py` for the exact setup.""",
         command="python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results"),
+    "model_eager": Spec(
+        title="Patched OPT decoders in eager mode: stock vs fuselab's C++ and Python paths",
+        prose="""\
+transformers' OPT decoders (random init, bf16, the three sizes' shapes) as users run them, one step at
+a time: `infer` is a forward under no_grad, `train` a forward, loss and backward. Providers: `stock`
+(the baseline), `fuselab` (patched by `fuse_linear_relu`: the fused layers' eager calls take the C++
+path, `fuselab.kernels.eager_path`) and `fuselab-python` (the same model with the C++ path off: a
+Python autograd.Function and launch plans). `ms` is the synchronized wall time per step (p50 of the
+timed steps), `host ms` the time to enqueue one step without synchronizing, `first call s` the first
+step (autotuning included). Eager mode is host-bound at these sizes, so `x stock` moves by several
+percent between runs; a training step's GPU time also depends on the backward GEMMs' kernels.""",
+        command="python -m experiments.model_eager --sizes opt-125m,opt-350m,opt-1.3b --tokens 1x128,8x1024 "
+                "--variants stock,fuselab,fuselab-python --results",
+        views=(View("ms", index=("shape", "mode"), split=("op",), title="{op}: ms per step"),
+               View("host ms", index=("shape", "mode"), split=("op",), title="{op}: host ms to enqueue a step")),
+        orders={"op": ["infer", "train"], "provider": ["stock", "fuselab", "fuselab-python", "norelu"]}),
     "distill_quantize": Spec(
         title="Distillation and quantization on Fashion-MNIST",
         prose="""\
@@ -774,6 +792,16 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
         if parts:
             out.append([f"Host time per eager call at {', '.join(sorted(shapes))}: fuselab vs torch relu(addmm)",
                         "; ".join(parts), _where(host, rows)])
+    models = studies.get("model_eager")
+    if models is not None:
+        for op in ("infer", "train"):
+            found = _ratio_rows(models, op, "fuselab", "stock", "ms", mode="eager")
+            if found:
+                ratios = {k[0]: v[0] for k, v in found.items()}
+                lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
+                out.append([f"OPT decoders {op}, eager, bf16: patched (C++ path) vs stock, {len(ratios)} size x tokens",
+                            f"{ratios[lo]:.2f}x ({lo}) to {ratios[hi]:.2f}x ({hi})",
+                            _where(models, [r for v in found.values() for r in v[1]])])
     sparse = studies.get("sparse_embedding")
     if sparse is not None:
         line = sparse_headline(sparse)

@@ -666,8 +666,10 @@ def _commits(res: Results, rows: List[dict]) -> str:
     return ", ".join(dict.fromkeys(str(res.runs.get(r["run"], {}).get("commit"))[:7] for r in rows))
 
 
-def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str, **where) -> Dict[tuple, tuple]:
-    """{(shape, dtype, mode): (ratio, rows)} where both ``provider`` and ``baseline`` were measured."""
+def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str, same_run: bool = False,
+                **where) -> Dict[tuple, tuple]:
+    """{(shape, dtype, mode): (ratio, rows)} where both ``provider`` and ``baseline`` were measured
+    (``same_run``: by one run, for figures that drift between runs)."""
     rows = select(res.rows, op=op, metric=metric, **where)
     cells = {(r["shape"], r["dtype"], r["mode"], r["provider"]): r for r in rows}
     hib = higher_is_better(metric)
@@ -675,6 +677,8 @@ def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str
     for (shape, dtype, mode, prov), r in cells.items():
         base = cells.get((shape, dtype, mode, baseline))
         if prov != provider or base is None or not r["p50"] or not base["p50"]:
+            continue
+        if same_run and r["run"] != base["run"]:
             continue
         ratio = r["p50"] / base["p50"] if hib else base["p50"] / r["p50"]
         out[(shape, dtype, mode)] = (ratio, [r, base])
@@ -795,7 +799,7 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
     models = studies.get("model_eager")
     if models is not None:
         for op in ("infer", "train"):
-            found = _ratio_rows(models, op, "fuselab", "stock", "ms", mode="eager")
+            found = _ratio_rows(models, op, "fuselab", "stock", "ms", same_run=True, mode="eager")
             if found:
                 ratios = {k[0]: v[0] for k, v in found.items()}
                 lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)

@@ -57,18 +57,17 @@ def test_plans_are_keyed_by_every_layout_detail(ext):
     ext.clear_plans()
     buffer = torch.zeros(64, 40, dtype=torch.bfloat16)
     a, b, c = buffer[:16, :8], torch.zeros(8, 24, dtype=torch.bfloat16), torch.zeros(16, 24, dtype=torch.bfloat16)
-    key = [eager_path.GEMM_KIND, -1, 1, 0]
-    ext.register_plan(key, [a, b, c, None, None, None], 0, 0, [1, 1, 1], 4, 1, 0, False, False, 0,
-                      [0, 0, 0, 16, 0, 0], [0, 1, 2])
+    key = [eager_path.GEMM_KIND, -1, 1]
+    ext.register_plan(key, [a, b, c, None, None, None], 0, 0, [1, 1, 1], 4, 0, 0, [0, 0, 0, 16, 0, 0], [0, 1, 2])
     assert ext.plan_count() == 1
     assert ext.has_plan(key, [buffer[16:32, :8], b.clone(), c.clone(), None, None, None])  # other data, same layout
     assert not ext.has_plan(key, [a.contiguous(), b, c, None, None, None])  # other strides
     assert not ext.has_plan(key, [buffer[:16, 1:9], b, c, None, None, None])  # 2-byte offset: other alignment
     assert not ext.has_plan(key, [a.float(), b, c, None, None, None])  # other dtype
     assert not ext.has_plan(key, [a, b, c, b[0], None, None])  # a bias where the plan had none
-    assert not ext.has_plan([eager_path.GEMM_KIND, -1, 0, 0], [a, b, c, None, None, None])  # no ReLU
+    assert not ext.has_plan([eager_path.GEMM_KIND, -1, 0], [a, b, c, None, None, None])  # no ReLU
     with pytest.raises(RuntimeError, match="bad tensor slot"):
-        ext.register_plan(key, [a], 0, 0, [1, 1, 1], 4, 1, 0, False, False, 0, [0, 0, 0], [1])
+        ext.register_plan(key, [a], 0, 0, [1, 1, 1], 4, 0, 0, [0, 0, 0], [1])
     ext.clear_plans()
     assert ext.plan_count() == 0
 
@@ -95,6 +94,7 @@ def test_kernel_params_refuse_what_the_path_cannot_pass():
     assert eager_path._kernel_params(_plan(signature, [None, 1.0], [0])) is None  # a 16-bit float argument
     assert eager_path._kernel_params(_plan({"x_ptr": "*bf16"}, [None], [0], profile_scratch_size=64)) is None
     assert eager_path._kernel_params(_plan({"x_ptr": "*bf16"}, [None], [0], num_ctas=2)) is None
+    assert eager_path._kernel_params(_plan({"x_ptr": "*bf16"}, [None], [0], launch_pdl=True)) is None
     assert eager_path._kernel_params(_plan({"x_ptr": "*bf16"}, [None, 3], [0])) is None  # signature/arguments differ
 
 

@@ -134,10 +134,7 @@ def launch_planned(plan_key: Hashable, *tensors: torch.Tensor, cpp_key: Optional
     if plan is None:
         return False
     if cpp_key is not None and not plan.in_cpp:
-        from fuselab.kernels import eager_path
-
-        plan.in_cpp = True
-        eager_path.register_plan(*cpp_key, plan)
+        _hand_to_cpp(plan, cpp_key)
     return plan(tensors)
 
 
@@ -175,10 +172,15 @@ def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, dev
         _PLANS.clear()
     plan = _PLANS[plan_key] = _LaunchPlan(kernel, compiled, grid, args, kwargs, device)
     if cpp_key is not None:
-        from fuselab.kernels import eager_path
+        _hand_to_cpp(plan, cpp_key)
 
-        plan.in_cpp = True
-        eager_path.register_plan(*cpp_key, plan)
+
+def _hand_to_cpp(plan: "_LaunchPlan", cpp_key: tuple) -> None:
+    """Register ``plan`` with the C++ eager path (once: it may decline, it is not asked again)."""
+    from fuselab.kernels import eager_path
+
+    plan.in_cpp = True
+    eager_path.register_plan(*cpp_key, plan)
 
 
 def _launcher_mismatch(compiled) -> Optional[str]:

@@ -88,21 +88,21 @@ def register_plan(key_ints: Sequence[int], key_tensors: Sequence[Optional[torch.
         return
     values, tensor_slots = params
     compiled = plan.compiled
-    num_warps, num_ctas, shared = compiled.packed_metadata
-    programs = plan.grid[0] * plan.grid[1] * plan.grid[2] * num_ctas
-    scratch = compiled.metadata.global_scratch_size * programs
+    num_warps, _, shared = compiled.packed_metadata  # one CTA per program: _kernel_params checked
+    scratch = compiled.metadata.global_scratch_size * plan.grid[0] * plan.grid[1] * plan.grid[2]
     ext.register_plan(list(key_ints), list(key_tensors), plan.device, compiled.function, list(plan.grid),
-                      num_warps, num_ctas, shared, bool(compiled.metadata.launch_cooperative_grid),
-                      bool(getattr(compiled.metadata, "launch_pdl", False)), scratch, values, tensor_slots)
+                      num_warps, shared, scratch, values, tensor_slots)
 
 
 def _kernel_params(plan):
     """The kernel's parameters as Triton's launcher passes them (its non-constexpr arguments in
     order, then the global and profile scratch pointers), each packed into an 8-byte slot with 0 at
-    each tensor's slot; None where the kernel takes something this path does not pass."""
+    each tensor's slot; None where the kernel takes something this path does not pass, or is launched
+    in a way it does not launch (clusters, cooperative or programmatic-dependent launches, profiling)."""
     compiled = plan.compiled
     metadata = compiled.metadata
-    if getattr(metadata, "profile_scratch_size", 0) or getattr(metadata, "num_ctas", 1) != 1:
+    if (getattr(metadata, "profile_scratch_size", 0) or getattr(metadata, "num_ctas", 1) != 1
+            or getattr(metadata, "launch_cooperative_grid", False) or getattr(metadata, "launch_pdl", False)):
         return None
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if not isinstance(signature, dict) or len(signature) != len(plan.values):

@@ -294,9 +294,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
     plan_key = cpp_key = None
     if config is None and not INTERPRET and untraced(*tensors):  # a repeated eager call skips the rest
         plan_key = _plan_key(a, b, c, bias, y, rowsum, relu)
-        if eager_path.may_plan():
-            exact = a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-            cpp_key = ((eager_path.GEMM_KIND, a.get_device(), int(relu), int(exact)), (a, b, c, bias, y, rowsum))
+        if a.dtype != torch.float32 and eager_path.may_plan():  # the C++ path serves fp16/bf16 only
+            cpp_key = ((eager_path.GEMM_KIND, a.get_device(), int(relu)), (a, b, c, bias, y, rowsum))
         if launch_planned(plan_key, *tensors, cpp_key=cpp_key):
             return
     tma_ok = False
@@ -575,8 +574,11 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'cuda', got {backend!r}")
     out = eager_path.call(a, b, bias, linear=False, autocast=False)  # C++: an eager CUDA call it can serve
-    if out is not None:
-        return out
+    return out if out is not None else python_matmul_relu(a, b, bias)
+
+
+def python_matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``matmul_relu`` for the calls the C++ eager path declined (or never sees: tracing, fp32, CPU)."""
     if execution_path(a) is ExecutionPath.TRITON and untraced(a, b, bias) and not _beyond_custom_ops():
         return _EagerMatmulReLU.apply(a, b, bias)
     if not torch.compiler.is_compiling() and _beyond_custom_ops():
@@ -587,8 +589,11 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
 def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``relu(F.linear(x, weight, bias))``: ``weight`` is (N, K) as in ``nn.Linear``."""
     out = eager_path.call(x, weight, bias, linear=True, autocast=False)
-    if out is not None:
-        return out
+    return out if out is not None else python_linear_relu(x, weight, bias)
+
+
+def python_linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``linear_relu`` for the calls the C++ eager path declined."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D with shape (N, K), got shape {tuple(weight.shape)}")
-    return matmul_relu(x, weight.t(), bias)
+    return python_matmul_relu(x, weight.t(), bias)

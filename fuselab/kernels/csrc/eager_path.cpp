@@ -33,7 +33,7 @@ namespace {
 // Launch plans: a compiled kernel with every argument fixed but its tensors' addresses
 // ---------------------------------------------------------------------------------------------
 
-// The first ints of a GEMM's key (kind, device, relu, exact fp32); eager_path.py builds the same.
+// The first ints of a GEMM's key (kind, device, relu); matmul_relu_triton._gemm builds the same.
 constexpr int64_t kGemmKind = 1;
 
 using Key = std::vector<int64_t>;
@@ -63,8 +63,7 @@ void append_layout(Key& key, const Tensor* t) {
 struct Plan {
   CUfunction function;
   std::array<unsigned, 3> grid;
-  int num_warps, num_ctas, shared;
-  bool cooperative, pdl;
+  int num_warps, shared;  // one CTA per program, no cluster/cooperative/PDL launch (eager_path.py refuses those)
   int64_t scratch_bytes;         // the whole launch's global scratch (TMA descriptors built on the device)
   int device;
   std::vector<uint64_t> params;  // one 8-byte slot per kernel parameter, the two scratch pointers last
@@ -94,8 +93,8 @@ LaunchKernelEx launch_kernel_ex() {
   return fn;
 }
 
-// The launch Triton's own launcher makes (cuLaunchKernelEx, the same attributes), on the current
-// stream of the plan's device.
+// The launch Triton's own launcher makes for such a kernel (cuLaunchKernelEx, no attributes), on the
+// current stream of the plan's device.
 void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors) {
   std::vector<uint64_t> values = plan.params;
   size_t i = 0;
@@ -114,26 +113,8 @@ void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors) {
   std::vector<void*> pointers(values.size());
   for (size_t k = 0; k < values.size(); ++k) pointers[k] = &values[k];
 
-  CUlaunchAttribute attributes[4];
-  unsigned n_attributes = 0;
-  if (plan.pdl) {
-    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attributes[n_attributes++].value.programmaticStreamSerializationAllowed = 1;
-  }
-  if (plan.cooperative) {
-    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-    attributes[n_attributes++].value.cooperative = 1;
-  }
-  if (plan.num_ctas != 1) {
-    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attributes[n_attributes].value.clusterDim.x = plan.num_ctas;
-    attributes[n_attributes].value.clusterDim.y = 1;
-    attributes[n_attributes++].value.clusterDim.z = 1;
-    attributes[n_attributes].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
-    attributes[n_attributes++].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
-  }
   CUlaunchConfig config{};
-  config.gridDimX = plan.grid[0] * plan.num_ctas;
+  config.gridDimX = plan.grid[0];
   config.gridDimY = plan.grid[1];
   config.gridDimZ = plan.grid[2];
   config.blockDimX = 32 * plan.num_warps;
@@ -141,8 +122,8 @@ void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors) {
   config.blockDimZ = 1;
   config.sharedMemBytes = plan.shared;
   config.hStream = c10::cuda::getCurrentCUDAStream(plan.device).stream();
-  config.attrs = attributes;
-  config.numAttrs = n_attributes;
+  config.attrs = nullptr;
+  config.numAttrs = 0;
   CUresult result = launch_kernel_ex()(&config, plan.function, pointers.data(), nullptr);
   TORCH_CHECK(result == CUDA_SUCCESS, "fuselab eager path: cuLaunchKernelEx failed with CUresult ", result);
 }
@@ -158,7 +139,7 @@ void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor* bias,
   if (bias == nullptr && c.stride(0) == 1 && c.stride(1) != 1) {
     return gemm(b.t(), a.t(), c.t(), nullptr, relu);  // as _gemm does: a column-major C as C^T = B^T A^T
   }
-  Key key{kGemmKind, a.get_device(), relu, /*exact fp32*/ 0};
+  Key key{kGemmKind, a.get_device(), relu};
   key.reserve(64);
   for (const Tensor* t : {&a, &b, &c, bias}) append_layout(key, t);
   append_layout(key, nullptr);  // y: the eager path writes G once (Hopper), it never masks on load
@@ -311,8 +292,8 @@ py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, 
 // ---------------------------------------------------------------------------------------------
 
 void register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors, int device,
-                   uint64_t function, std::vector<int64_t> grid, int num_warps, int num_ctas, int shared,
-                   bool cooperative, bool pdl, int64_t scratch_bytes, std::vector<uint64_t> params,
+                   uint64_t function, std::vector<int64_t> grid, int num_warps, int shared,
+                   int64_t scratch_bytes, std::vector<uint64_t> params,
                    std::vector<int> tensor_params) {
   TORCH_CHECK(grid.size() == 3 && params.size() >= 2, "fuselab eager path: a plan needs a 3-D grid and its scratch slots");
   for (int slot : tensor_params) TORCH_CHECK(slot >= 0 && slot < static_cast<int>(params.size()) - 2, "bad tensor slot");
@@ -321,7 +302,7 @@ void register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tens
   auto plan = std::make_shared<Plan>(Plan{reinterpret_cast<CUfunction>(function),
                                           {static_cast<unsigned>(grid[0]), static_cast<unsigned>(grid[1]),
                                            static_cast<unsigned>(grid[2])},
-                                          num_warps, num_ctas, shared, cooperative, pdl, scratch_bytes, device,
+                                          num_warps, shared, scratch_bytes, device,
                                           std::move(params), std::move(tensor_params)});
   std::unique_lock<std::shared_mutex> lock(plans_mutex);
   if (plans.size() >= kMaxPlans) plans.clear();

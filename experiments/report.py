@@ -304,8 +304,9 @@ a time: `infer` is a forward under no_grad, `train` a forward, loss and backward
 path, `fuselab.kernels.eager_path`) and `fuselab-python` (the same model with the C++ path off: a
 Python autograd.Function and launch plans). `ms` is the synchronized wall time per step (p50 of the
 timed steps), `host ms` the time to enqueue one step without synchronizing, `first call s` the first
-step (autotuning included; in a process's first patched configuration also the C++ path's one-time build). Eager mode is host-bound at these sizes, so `x stock` moves by several
-percent between runs; a training step's GPU time also depends on the backward GEMMs' kernels.""",
+step (autotuning included; in a process's first patched configuration also the C++ path's one-time
+build). Eager mode is host-bound at these sizes, so `x stock` moves by several percent between runs; a
+training step's GPU time also depends on the backward GEMMs' kernels.""",
         command="python -m experiments.model_eager --sizes opt-125m,opt-350m,opt-1.3b --tokens 1x128,8x1024 "
                 "--variants stock,fuselab,fuselab-python --results",
         views=(View("ms", index=("shape", "mode"), split=("op",), title="{op}: ms per step"),

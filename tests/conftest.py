@@ -57,3 +57,26 @@ def env(monkeypatch):
     yield monkeypatch
     monkeypatch.undo()
     settings.reload()
+
+
+@pytest.fixture
+def cublas_preferred(tmp_path, env, monkeypatch):
+    """A fresh tuner for the fused GEMM (its own cache) whose clock makes cuBLAS (``CUBLAS``)
+    fastest wherever it may run; its plans start empty."""
+    import importlib
+
+    from fuselab import settings
+    from fuselab.kernels import _autotune, eager_path
+
+    module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
+    runtime = importlib.import_module("fuselab.kernels._runtime")
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "cache"))
+    settings.reload()
+    kernel = module.matmul_relu_kernel
+    tuner = _autotune.PersistentAutotuner(kernel.fn, *kernel._tuned_over, kernel.heuristic, kernel.library)
+    tuner._bench = lambda *args, config, **meta: [1.0 if config is module.CUBLAS else 2.0] * 3
+    monkeypatch.setattr(module, "matmul_relu_kernel", tuner)
+    monkeypatch.setattr(runtime, "_PLANS", {})
+    if eager_path.extension is not None:
+        eager_path.extension.clear_plans()
+    return tuner

@@ -196,16 +196,15 @@ def test_stored_entry_that_is_not_a_config_retunes(cache_dir):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_autotune_fast_path_matches_triton_key(device, monkeypatch):
-    # After tuning, launches skip Autotuner.run: its key must be exactly the one Autotuner.run stores.
-    from triton.runtime.autotuner import Autotuner
-
+def test_autotune_fast_path_reuses_the_stored_choice(device, monkeypatch):
+    # After tuning, a launch finds its choice by the key it was stored under: nothing is chosen again.
     from fuselab.kernels.matmul_relu_triton import matmul_relu_kernel
 
     a, b = torch.randn(33, 20, device=device), torch.randn(20, 18, device=device)
     first = matmul_relu(a, b)
     keys = list(matmul_relu_kernel.cache)
-    monkeypatch.setattr(Autotuner, "run", lambda *args, **kwargs: pytest.fail("slow path taken after tuning"))
+    monkeypatch.setattr(_autotune.PersistentAutotuner, "_choose",
+                        lambda *args, **kwargs: pytest.fail("slow path taken after tuning"))
     torch.testing.assert_close(matmul_relu(a, b), first, rtol=0, atol=0)
     assert list(matmul_relu_kernel.cache) == keys
 
@@ -231,6 +230,77 @@ def test_autotune_switch_off_uses_heuristic_where_it_fits(cache_dir, env):
     assert tuner.best_config is small  # the first survivor, in the given order
     torch.testing.assert_close(x, torch.cat([want[:100] * 2, want[100:]]))  # both launches ran
     assert not list(cache_dir.rglob("*.json")), "an untimed choice was stored as a tuned one"
+
+
+@triton.jit
+def _double_kernel(x_ptr, y_ptr, n, SIZE_KEY, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def _doubling(calls):
+    """A library choice that computes what _double_kernel does, for sizes of 64 and more, counting its calls."""
+    def call(args):
+        calls.append(args["n"])
+        torch.mul(args["x_ptr"][:args["n"]], 2, out=args["y_ptr"][:args["n"]])
+
+    return _autotune.LibraryChoice("torch.mul", call, lambda args: args["n"] >= 64)
+
+
+def _library_timed_tuner(calls, library_time):
+    tuner = _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"], library=[_doubling(calls)])
+    tuner._bench = lambda *args, config, **meta: [library_time if isinstance(config, _autotune.LibraryChoice)
+                                                  else 2.0] * 3
+    return tuner
+
+
+def _double(tuner, n):
+    x, y = torch.randn(n, device=DEVICE), torch.zeros(n, device=DEVICE)
+    ret = tuner[lambda m: (triton.cdiv(n, m["BLOCK"]),)](x, y, n, _autotune.bucket(n))
+    assert torch.equal(y, x * 2)
+    return ret
+
+
+def test_library_choice_is_timed_beside_the_configs_and_kept_where_faster(cache_dir):
+    calls = []
+    tuner = _library_timed_tuner(calls, library_time=1.0)
+    assert isinstance(_double(tuner, 100), _autotune.LibraryChoice) and str(tuner.best_config) == "torch.mul"
+    assert calls == [100]  # the launch was the library call
+    assert "torch.mul" in json.loads(tuner.cache_file().read_text()).values()
+
+    fresh = _library_timed_tuner(calls, library_time=1.0)  # a new process: the stored choice, untimed
+    fresh._bench = lambda *args, **kwargs: pytest.fail("a stored choice was timed again")
+    _double(fresh, 90)
+    assert str(fresh.best_config) == "torch.mul" and calls == [100, 90]
+
+    assert not isinstance(_double(tuner, 40), _autotune.LibraryChoice)  # it does not apply: the kernel's
+    assert calls == [100, 90]
+    slower = _library_timed_tuner(calls, library_time=3.0)  # timed, and slower: the kernel's config
+    _double(slower, 300)
+    assert not isinstance(slower.best_config, _autotune.LibraryChoice) and calls == [100, 90]
+
+
+def test_library_choice_is_timed_by_calling_it(cache_dir):
+    calls = []
+    tuner = _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"], library=[_doubling(calls)])
+    tuner._do_bench = lambda fn, quantiles: fn() or [1.0] * 3  # runs each candidate once; all tie
+    _double(tuner, 100)
+    assert calls == [100] and tuner.best_config is CONFIGS[0]  # timed on the launch's arguments; ties: the kernel
+
+
+def test_library_choice_is_never_taken_untimed(cache_dir, env):
+    # FUSELAB_AUTOTUNE=0 times nothing: every candidate ties, and the kernel's heuristic comes first.
+    calls = []
+    tuner = _autotune.autotune(CONFIGS, key=["SIZE_KEY"], heuristic=CONFIGS[1], library=[_doubling(calls)])(_double_kernel)
+    env.setenv("FUSELAB_AUTOTUNE", "0")
+    settings.reload()
+    _double(tuner, 100)
+    assert tuner.best_config is CONFIGS[1] and calls == []
+
+
+def test_library_choice_changes_the_fingerprint():
+    plain = _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"])
+    assert plain.fingerprint != _library_timed_tuner([], 1.0).fingerprint
 
 
 def test_bucket():

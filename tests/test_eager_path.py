@@ -72,6 +72,33 @@ def test_plans_are_keyed_by_every_layout_detail(ext):
     assert ext.plan_count() == 0
 
 
+@pytest.mark.slow
+def test_a_library_plan_runs_cublas_through_aten(ext, monkeypatch):
+    # A GEMM the tuner gave to cuBLAS is registered as that call; C++ runs addmm/mm and the ReLU on the
+    # same key (a column-major C first turned around, as _gemm does). On CPU tensors here: aten's CPU ops.
+    ext.clear_plans()
+    monkeypatch.setattr(eager_path, "_load", lambda: ext)
+    a, b, bias = (torch.randn(*s, dtype=torch.bfloat16) for s in ((6, 5), (5, 4), (4,)))
+    a[2, 1] = float("nan")
+    c = torch.full((6, 4), float("nan"), dtype=torch.bfloat16)
+    plan = runtime._LibraryPlan(importlib.import_module("fuselab.kernels.matmul_relu_triton").CUBLAS,
+                                types.SimpleNamespace(arg_names=["a_ptr", "b_ptr", "c_ptr"]), (a, b, c), {})
+    fused = [eager_path.GEMM_KIND, -1, 1]
+    eager_path.register_plan(fused, [a, b, c, bias, None, None], plan)
+    assert ext.has_plan(fused, [a, b, c, bias, None, None]) and ext.plan_count() == 1
+    ext.gemm(a, b, c, bias, True)
+    torch.testing.assert_close(c, torch.relu(torch.addmm(bias, a, b)), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(c[2]).all()  # torch.relu's NaN rule
+    plain = [eager_path.GEMM_KIND, -1, 0]
+    ct = torch.empty(4, 6, dtype=torch.bfloat16).t()  # column-major: C^T = B^T A^T, a key of its own
+    eager_path.register_plan(plain, [b.t(), a.t(), ct.t(), None, None, None], plan)
+    ext.gemm(a, b, ct, None, False)
+    torch.testing.assert_close(ct, torch.mm(a, b), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="unknown library call"):
+        ext.register_library_plan(plain, [a, b, c, None, None, None], 7)
+    ext.clear_plans()
+
+
 def _plan(signature, values, slots, **metadata):
     compiled = types.SimpleNamespace(src=types.SimpleNamespace(signature=signature),
                                      metadata=types.SimpleNamespace(**metadata))
@@ -208,6 +235,27 @@ def test_cpp_path_equals_python_path(loaded, dtype, layout):
     b = w.t() if layout.startswith("linear") else w
     ref = torch.relu(x.double() @ b.double() + (0 if bias is None else bias.double()))
     assert_close(y_cpp, ref, dot_bound(dtype, K, x.double().abs(), b.double().abs()) + 2.0**-8 * ref.abs(), "forward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpp_path_runs_the_products_the_tuner_gave_to_cublas(loaded, cublas_preferred, dtype):
+    # Every GEMM planned as a cuBLAS call (library plans): C++ runs aten's addmm/mm and the in-place
+    # ReLU on them, with the Python path's results bit for bit.
+    M, N, K = 300, 264, 136
+    x, w, bias = (randn(*s, dtype=dtype, device="cuda").requires_grad_(True) for s in ((M, K), (N, K), (N,)))
+    grad = randn(M, N, dtype=dtype, device="cuda")
+    fn = lambda: linear_relu(x, w, bias)  # noqa: E731
+    _run(fn, (x, w, bias), grad)  # plans the forward and both products, as cuBLAS calls
+    assert [str(c) for c in cublas_preferred.cache.values()] == ["cublas"] * 3
+    y_cpp, grads_cpp = _run(fn, (x, w, bias), grad)
+    with eager_path.disabled():
+        y_py, grads_py = _run(fn, (x, w, bias), grad)
+    assert torch.equal(y_cpp, y_py) and all(torch.equal(a, b) for a, b in zip(grads_cpp, grads_py))
+    assert torch.equal(y_cpp, torch.relu(torch.addmm(bias, x, w.t())))
+    g = torch.where(y_py <= 0, 0, grad).double()
+    assert_close(grads_cpp[0], g @ w.double(), dot_bound(dtype, N, g.abs(), w.double().abs()), "dX")
+    assert_close(grads_cpp[1], g.t() @ x.double(), dot_bound(dtype, M, g.abs().t(), x.double().abs()), "dW")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import torch
 import triton
 from reference import check_forward_backward, randn
 
-from fuselab.kernels import eager_path
+from fuselab.kernels import _autotune, eager_path
 
 runtime = importlib.import_module("fuselab.kernels._runtime")
 matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
@@ -66,6 +66,9 @@ def test_repeated_calls_relaunch_the_first_calls_kernel(monkeypatch):
     # data, on a view whose 16-byte alignment differs (its own plan), forward and both products.
     # (The Python path's plans; the C++ path launches its own copies of them: test_eager_path.py.)
     monkeypatch.setattr(eager_path, "extension", None)
+    kernel = matmul_relu_module.matmul_relu_kernel  # kernels only: cuBLAS, if faster, would take plans of its own
+    monkeypatch.setattr(matmul_relu_module, "matmul_relu_kernel", _autotune.PersistentAutotuner(
+        kernel.fn, *kernel._tuned_over, kernel.heuristic))
     relaunched = []
     call = runtime._LaunchPlan.__call__
     monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))
@@ -184,3 +187,20 @@ def test_tested_triton_versions_are_declared_in_pyproject():
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     declared = pyproject["tool"]["fuselab"]["launch-plans-tested-on-triton"]
     assert tuple(declared) == runtime.LAUNCH_PLANS_TESTED_ON_TRITON
+
+
+def test_a_library_choice_is_planned_as_its_call(fresh_plans, monkeypatch):
+    # A GEMM the tuner gave to cuBLAS (CUBLAS) is planned as that call, even where planned
+    # kernel launches are off: no Triton launcher is involved. Only the tensors change between calls.
+    monkeypatch.setattr(runtime, "_plans_on", False)
+    kernel = matmul_relu_module.matmul_relu_kernel
+    a, b, c = torch.randn(9, 7), torch.randn(7, 5), torch.empty(9, 5)
+    flags = dict(HAS_BIAS=False, RELU=False, MASK_A=False, ROWSUM_A=False)
+    args = (a, b, c, None, None, None, 9, 5, 7)
+    runtime._remember_plan("key", kernel, matmul_relu_module.CUBLAS, None, args, flags, None)
+    a2, b2, c2 = torch.randn(9, 7), torch.randn(7, 5), torch.full((9, 5), float("nan"))
+    assert runtime.launch_planned("key", a2, b2, c2)
+    assert torch.equal(c2, torch.mm(a2, b2))
+    (plan,) = runtime._PLANS.values()
+    assert plan.tensor_names == ["a_ptr", "b_ptr", "c_ptr"]
+    assert not any(isinstance(v, torch.Tensor) for v in plan.fixed.values())  # no tensor of the first call

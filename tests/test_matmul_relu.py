@@ -54,6 +54,38 @@ def test_both_backward_paths(device, mask_on_load, a_layout, b_layout, monkeypat
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b_layout,bias_layout", [("contiguous", "contiguous"), ("transposed", "strided"),
+                                                  ("transposed", "broadcast"), ("contiguous", None)])
+def test_where_the_tuner_chose_cublas(device, dtype, b_layout, bias_layout, cublas_preferred, monkeypatch):
+    # Where the tuner finds cuBLAS faster, the forward is addmm (mm) and an in-place ReLU, and the
+    # backward's products (G written first, as on Hopper) are mm: the op's results and NaN rule stay.
+    monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: False)
+    monkeypatch.setattr(eager_path, "extension", None)  # the Python path (the C++ one: test_eager_path.py)
+    a = randn(37, 29, dtype=dtype, device=device)
+    b = randn(29, 22, dtype=dtype, device=device, layout=b_layout)
+    bias = rand_bias(22, dtype, device, bias_layout) if bias_layout else None
+    check_forward_backward(a, b, bias, dtype)
+    assert {str(c) for c in cublas_preferred.cache.values()} == {"cublas"} and len(cublas_preferred.cache) == 3
+    a = a.detach().clone()
+    a[3, 4] = float("nan")
+    y = matmul_relu(a, b.detach(), None if bias is None else bias.detach())
+    assert torch.isnan(y[3]).all() and not torch.isnan(y[:3]).any()  # torch.relu's rule, not max(x, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cublas_is_not_offered_where_the_mask_is_applied_on_load(device, cublas_preferred, monkeypatch):
+    monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: True)
+    monkeypatch.setattr(eager_path, "extension", None)
+    a, b = randn(37, 29, dtype=torch.float32, device=device), randn(29, 22, dtype=torch.float32, device=device)
+    check_forward_backward(a, b, torch.randn(22, device=device), torch.float32)
+    names = cublas_preferred.keys
+    for key, config in cublas_preferred.cache.items():
+        flags = dict(zip(names, key))
+        assert (str(config) == "cublas") == (not flags["MASK_A"]), (flags, config)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_batched_and_linear(device, dtype):
     x = torch.randn(2, 3, 21, dtype=dtype, device=device)
     w = torch.randn(17, 21, dtype=dtype, device=device)  # nn.Linear layout (N, K)

@@ -43,7 +43,7 @@ def fresh_tuner(monkeypatch):
     """A new tuner for the fused GEMM (an empty in-memory cache, as in a new process), used by its op."""
     kernel = MR.matmul_relu_kernel
     configs, key, prune = kernel._tuned_over
-    tuner = _autotune.PersistentAutotuner(kernel.fn, configs, key, prune, kernel.heuristic)
+    tuner = _autotune.PersistentAutotuner(kernel.fn, configs, key, prune, kernel.heuristic, kernel.library)
     monkeypatch.setattr(MR, "matmul_relu_kernel", tuner)
     return tuner
 
@@ -89,8 +89,9 @@ def test_dry_run_writes_results_and_configs(swept):
     rows = results.rows
     timed = [r for r in rows if "config" in r]
     keys = {r["key"] for r in timed}
-    # the tiny grid: fwd, grad_a and grad_b of one problem, fwd of the other; both interpreter configs each
-    assert len(keys) == 4 and len(timed) == 8
+    # the tiny grid: fwd, grad_a and grad_b of one problem, fwd of the other; both interpreter configs each,
+    # and cuBLAS for the forwards (the interpreter's backward masks G on load, where cuBLAS cannot serve)
+    assert len(keys) == 4 and len(timed) == 8 + 2 and sum(r["config"] == "cublas" for r in timed) == 2
     assert {r["product"] for r in timed} == {"fwd", "grad_a", "grad_b"}
     assert all(set(ROW_KEYS) <= set(r) and r["metric"] == "ms" and r["mode"] == "wall" for r in rows)
     assert len(rows) - len(timed) == 4 and all(results.baselines[r["op"]] == r["provider"] for r in rows
@@ -105,7 +106,7 @@ def test_dry_run_writes_results_and_configs(swept):
     assert entry["fingerprint"] == MR.matmul_relu_kernel.fingerprint
     best = sweep.best_choices(results)["matmul_relu_kernel"]
     assert entry["configs"] == {key: row["config"] for key, row in best.items()} and set(entry["configs"]) == keys
-    assert set(entry["configs"].values()) <= {str(c) for c in MR.matmul_relu_kernel.configs}
+    assert set(entry["configs"].values()) <= {str(c) for c in MR.matmul_relu_kernel.configs} | {"cublas"}
 
 
 def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
@@ -126,14 +127,14 @@ def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep, "_time_problem", interrupted)
     assert main(["--dry-run", "--out", str(out)]) == 130
     first = Results.load(out)  # saved after the first problem, whole
-    assert {r["shape"] for r in first.rows} == {TINY[0].shape} and len(measured) == 6 + 3
+    assert {r["shape"] for r in first.rows} == {TINY[0].shape} and len(measured) == 7 + 3
 
     monkeypatch.setattr(sweep, "_time_problem", real_problem)
     measured.clear()
     assert main(["--dry-run", "--out", str(out)]) == 1
     assert "--resume" in capsys.readouterr().err  # an existing file is neither extended nor lost silently
     assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
-    assert len(measured) == 2 + 1, "only the second problem's configs and baseline were left"
+    assert len(measured) == 3 + 1, "only the second problem's configs and baseline were left"
     assert "the sweep is complete" in capsys.readouterr().out
 
     measured.clear()
@@ -152,17 +153,17 @@ def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
 def test_budget_stops_and_resume_finishes(tmp_path, capsys):
     out = tmp_path / "tune.json"
     assert main(["--dry-run", "--out", str(out), "--budget-min", "0.0001"]) == 0  # spent while planning
-    assert "12 timings left: run again with --resume" in capsys.readouterr().out
+    assert "14 timings left: run again with --resume" in capsys.readouterr().out
     assert Results.load(out).rows == []
     assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
-    assert "the sweep is complete" in capsys.readouterr().out and len(Results.load(out).rows) == 12
+    assert "the sweep is complete" in capsys.readouterr().out and len(Results.load(out).rows) == 14
 
 
 def test_precompile_in_a_worker_process(capsys):
     # On a GPU the worker compiles into Triton's cache; in the interpreter "warmup" runs the kernel once,
     # which exercises the same path: planning, grouping by kind, pickling to a spawned process.
     planned = sweep.plan(TINY[1:], Results("tune"))
-    assert sum(len(names) for item in planned for _, names in item.kinds.values()) == 2
+    assert sum(len(names) for item in planned for _, names in item.kinds.values()) == 3  # cuBLAS: nothing to compile
     sweep.precompile(planned, jobs=1)
     assert "did not compile" not in capsys.readouterr().err
 
@@ -215,7 +216,7 @@ def test_a_key_missing_from_the_shipped_file_is_tuned(swept, tmp_path, monkeypat
     timed = _count_timings(fresh_tuner)
     problem = grid.Problem("matmul_relu", 200, 48, 32, "bf16", "linear", ("fwd",))  # M~256: not in the tiny grid
     ENTRY.call("fwd", ENTRY.inputs(problem, "cpu", torch.randn))
-    assert len(timed) == 2 and list(empty_cache.rglob("*.json"))
+    assert len(timed) == 3 and list(empty_cache.rglob("*.json"))  # two configs and cuBLAS
 
 
 @pytest.mark.parametrize("stale", ["fingerprint", "triton"])
@@ -231,7 +232,7 @@ def test_stale_shipped_file_is_ignored_with_one_warning(swept, tmp_path, monkeyp
     assert len(messages) == 1, messages
     assert str(configs / "triton-interpreter.json") in messages[0]
     assert ("another version of the kernel" if stale == "fingerprint" else "triton 0.0.1") in messages[0]
-    assert len(timed) == 8 and second not in {str(c) for c in fresh_tuner.cache.values()}
+    assert len(timed) == 10 and second not in {str(c) for c in fresh_tuner.cache.values()}
 
 
 def test_tuning_says_so_once_per_key(tmp_path, monkeypatch, fresh_tuner, empty_cache, caplog):
@@ -244,13 +245,13 @@ def test_tuning_says_so_once_per_key(tmp_path, monkeypatch, fresh_tuner, empty_c
     assert len(messages) == 2 and all(r.levelno == logging.WARNING for r in _tuning_records(caplog))
     for m, message in zip((64, 128), messages):
         assert re.fullmatch(rf"fuselab: tuning matmul_relu_kernel bf16 M~{m} N~64 K~32 A_ROW_MAJOR B_ROW_MAJOR "
-                            r"HAS_BIAS: 2 configs, once per GPU \(cached in .+\)", message), message
+                            r"HAS_BIAS RELU: 3 configs, once per GPU \(cached in .+\)", message), message
         assert str(_autotune.cache_dir()) in message and "\n" not in message
 
     caplog.clear()  # a new process: the user's cache answers, nothing is said
     configs, key, prune = fresh_tuner._tuned_over
     monkeypatch.setattr(MR, "matmul_relu_kernel", _autotune.PersistentAutotuner(
-        fresh_tuner.fn, configs, key, prune, fresh_tuner.heuristic))
+        fresh_tuner.fn, configs, key, prune, fresh_tuner.heuristic, fresh_tuner.library))
     with caplog.at_level(logging.WARNING, logger="fuselab.autotune"):
         ENTRY.call("fwd", ENTRY.inputs(problems[0], "cpu", torch.randn))
     assert _tuning_records(caplog) == []

@@ -262,11 +262,28 @@ def describe_key(names: Sequence[str], tuning_key: tuple) -> str:
 _UNWRITABLE: set = set()  # cache files a write failed on (warned about once)
 
 
+class LibraryChoice(triton.Config):
+    """A tuning choice that computes a launch's result by a library call (cuBLAS through ``torch.addmm``,
+    say) instead of the kernel: timed beside the kernel's configs where ``applies(args)`` holds for the
+    launch's named arguments, chosen only where it is faster, stored by ``name`` like a config.
+
+    Eager tuning only: torch.compile tunes a traced kernel over its Triton ``configs`` alone."""
+
+    def __init__(self, name: str, call: Callable[[dict], None], applies: Callable[[dict], bool]):
+        super().__init__({})
+        self.name, self.call, self.applies = name, call, applies
+
+    def __str__(self) -> str:
+        return self.name
+
+    __repr__ = __str__
+
+
 class PersistentAutotuner(Autotuner):
     """An Autotuner that reads and writes its choices in a JSON file (see module docstring)."""
 
     def __init__(self, fn, configs: List[triton.Config], key: List[str], prune: Optional[Callable] = None,
-                 heuristic: Optional[triton.Config] = None):
+                 heuristic: Optional[triton.Config] = None, library: Sequence[LibraryChoice] = ()):
         super().__init__(
             fn,
             fn.arg_names,
@@ -279,6 +296,7 @@ class PersistentAutotuner(Autotuner):
         )
         self.cache_results = True  # route every new key through check_disk_cache below
         self.heuristic = heuristic
+        self.library = list(library)
         self.tune: Optional[bool] = None  # decided at the first launch (FUSELAB_AUTOTUNE)
         self._tuned_over = (list(configs), list(key), prune)
         self._key_positions = [(name, fn.arg_names.index(name)) for name in key]
@@ -290,7 +308,8 @@ class PersistentAutotuner(Autotuner):
     def fingerprint(self) -> str:
         """``tuning_fingerprint`` of this kernel, computed when first needed: the helpers a kernel
         calls may be defined after it in its module."""
-        return tuning_fingerprint(self.fn, *self._tuned_over)
+        configs, key, prune = self._tuned_over
+        return tuning_fingerprint(self.fn, configs + self.library, key, prune)
 
     def shipped(self) -> Dict[str, str]:
         """The current GPU's shipped choices for this kernel (``shipped_choices``), read once per GPU name."""
@@ -317,17 +336,54 @@ class PersistentAutotuner(Autotuner):
         return tuple(vals)
 
     def run(self, *args, **kwargs):
-        if len(self.configs) > 1:
-            config = self.cache.get(self._tuning_key(args, kwargs))
-            if config is not None:  # tuned already: launch straight away
-                self.best_config = config
-                meta = self._meta.get(id(config))
-                if meta is None:
-                    meta = self._meta[id(config)] = config.all_kwargs()
-                return self.fn.run(*args, **kwargs, **meta)
+        """Launch with the key's chosen config (choosing it first: ``_choose``); returns the compiled
+        kernel launched, or the ``LibraryChoice`` that computed the result instead."""
+        key = self._tuning_key(args, kwargs)
+        config = self.cache.get(key)
+        if config is None:  # first call for this key: tune (or read a stored choice)
+            config = self._choose(key, args, kwargs)
+        self.best_config = config
+        if isinstance(config, LibraryChoice):
+            config.call(dict(zip(self.arg_names, args), **kwargs))
+            return config
+        meta = self._meta.get(id(config))
+        if meta is None:
+            meta = self._meta[id(config)] = config.all_kwargs()
+        return self.fn.run(*args, **kwargs, **meta)
+
+    def prune_configs(self, kwargs: Dict) -> List[triton.Config]:
+        """The kernel's configs that pruning keeps, then the library choices that apply here (set
+        ``self.nargs`` first, as Triton's ``Autotuner.run`` does)."""
+        named = {**self.nargs, **kwargs}
+        return list(super().prune_configs(kwargs)) + [c for c in self.library if c.applies(named)]
+
+    def _choose(self, key: tuple, args: tuple, kwargs: dict) -> triton.Config:
+        """Time the candidates of ``key`` (``prune_configs``), or take a stored choice
+        (``check_disk_cache``), and cache the fastest."""
         if self.tune is None:
             self._decide_tuning()
-        return super().run(*args, **kwargs)  # first call for this key: tune (or read the disk cache)
+        self.nargs = dict(zip(self.arg_names, args))
+        try:
+            candidates = self.prune_configs(kwargs)
+            if len(candidates) == 1:
+                self.cache[key] = candidates[0]
+                return candidates[0]
+
+            def benchmark():
+                timings = {c: self._bench(*args, config=c, **kwargs) for c in candidates}
+                self.cache[key] = min(timings, key=timings.get)  # the first of equals: the kernel's
+                self.configs_timings = timings
+
+            self.check_disk_cache(key, candidates, benchmark)
+            return self.cache[key]
+        finally:
+            self.nargs = None
+
+    def _bench(self, *args, config, **meta):
+        if isinstance(config, LibraryChoice):
+            named = dict(zip(self.arg_names, args), **meta)
+            return self.do_bench(lambda: config.call(named), quantiles=(0.5, 0.2, 0.8))
+        return super()._bench(*args, config=config, **meta)
 
     def cache_file(self) -> Path:
         """Where this kernel's choices on the current GPU are stored."""
@@ -362,12 +418,13 @@ class PersistentAutotuner(Autotuner):
 
 
 def autotune(configs: List[triton.Config], key: List[str], prune: Optional[Callable] = None,
-             heuristic: Optional[triton.Config] = None):
+             heuristic: Optional[triton.Config] = None, library: Sequence[LibraryChoice] = ()):
     """Decorator like ``triton.autotune``; with FUSELAB_AUTOTUNE=0 nothing is timed and ``heuristic``
-    (put first) is used wherever ``prune`` keeps it."""
+    (put first) is used wherever ``prune`` keeps it. ``library``: choices timed beside the configs
+    (``LibraryChoice``)."""
 
     def decorate(fn):
-        return PersistentAutotuner(fn, configs, key, prune, heuristic)
+        return PersistentAutotuner(fn, configs, key, prune, heuristic, library)
 
     return decorate
 

@@ -111,6 +111,13 @@ def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, cpp_key: Op
         _remember_plan(plan_key, kernel, compiled, grid, args, kwargs, device.index, cpp_key)
 
 
+def _is_library_choice(compiled) -> bool:
+    """An autotuned launch that a library call served (``_autotune.LibraryChoice``), not a kernel."""
+    from fuselab.kernels._autotune import LibraryChoice
+
+    return isinstance(compiled, LibraryChoice)
+
+
 def plan_layout(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """What Triton specializes a tensor argument on, for a ``plan_key`` (see ``launch_planned``):
     dtype, shape, strides and 16-byte alignment; None for an absent tensor."""
@@ -157,20 +164,22 @@ _plan_launched = False  # whether a planned launch has gone through the launcher
 
 def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, device: Optional[int],
                    cpp_key: Optional[tuple] = None) -> None:
-    """Keep the launch just made (``compiled``, from ``kernel[grid](*args, **kwargs)``) for
-    ``launch_planned`` (and with ``cpp_key`` for the C++ eager path); the first call checks Triton's
-    launcher and may turn planned launches off."""
+    """Keep the launch just made (``compiled``, from ``kernel[grid](*args, **kwargs)``: a compiled
+    kernel or the ``LibraryChoice`` that served it) for ``launch_planned`` (and with ``cpp_key`` for the
+    C++ eager path); the first kernel checks Triton's launcher and may turn planned kernel launches off."""
     global _plans_on
-    if _plans_on is None:
+    library = _is_library_choice(compiled)  # no launcher to check: its plan repeats the library call
+    if _plans_on is None and not library:
         why = _launcher_mismatch(compiled)
         _plans_on = why is None
         if why is not None:
             _warn_plans_off(why)
-    if not _plans_on:
+    if not (_plans_on or library):
         return
     if len(_PLANS) >= _MAX_PLANS:  # dynamic shapes: keep the cache bounded
         _PLANS.clear()
-    plan = _PLANS[plan_key] = _LaunchPlan(kernel, compiled, grid, args, kwargs, device)
+    plan = _PLANS[plan_key] = (_LibraryPlan(compiled, kernel, args, kwargs) if library else
+                               _LaunchPlan(kernel, compiled, grid, args, kwargs, device))
     if cpp_key is not None:
         _hand_to_cpp(plan, cpp_key)
 
@@ -262,6 +271,21 @@ class _LaunchPlan:
                 _warn_plans_off(f"its launcher rejected a planned launch's arguments: {e}")
                 return False
         _plan_launched = True
+        return True
+
+
+class _LibraryPlan:
+    """A planned launch that a ``LibraryChoice`` serves: its call, with every argument fixed but the tensors."""
+
+    def __init__(self, choice, kernel, args, kwargs):
+        named = dict(zip(getattr(kernel, "fn", kernel).arg_names, args), **kwargs)
+        self.choice = choice
+        self.tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]  # in argument order
+        self.fixed = {k: v for k, v in named.items() if not isinstance(v, torch.Tensor)}  # no tensor of the first call
+        self.in_cpp = False
+
+    def __call__(self, tensors) -> bool:
+        self.choice.call(dict(self.fixed, **dict(zip(self.tensor_names, tensors))))
         return True
 
 

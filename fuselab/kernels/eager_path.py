@@ -7,7 +7,8 @@ autograd node, and a ``cuLaunchKernelEx`` of the cubin Triton compiled for the c
 launch plan, as AOTInductor launches Triton kernels). Its backward is C++ too.
 
 Python keeps everything else: Triton compiles and the autotuner chooses; each eager launch that
-Python's ``_gemm`` makes is registered here (``register_plan``) under a key of the tensors' layouts;
+Python's ``_gemm`` makes is registered here (``register_plan``) under a key of the tensors' layouts
+(a GEMM the tuner gave to cuBLAS is registered as that call: ``LIBRARY_CALLS``);
 a call whose GEMM has no plan yet goes back to ``_gemm`` (which plans it). ``call`` returns None for
 anything the C++ path does not serve exactly (not CUDA fp16/bf16, tensor subclasses, modes,
 torch.func, forward-mode AD, tracing): the Python path serves those and raises on bad input.
@@ -32,6 +33,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "eager_path.cpp"
 
 # The first int of a GEMM plan's key; eager_path.cpp's kGemmKind (checked when it loads).
 GEMM_KIND = 1
+# The library calls a plan may stand for (``_autotune.LibraryChoice`` names), as eager_path.cpp numbers them.
+LIBRARY_CALLS = {"cublas": 1}
 
 # The loaded extension while the path is on, else None: ``call``'s one test on the hot path.
 extension = None
@@ -82,6 +85,11 @@ def register_plan(key_ints: Sequence[int], key_tensors: Sequence[Optional[torch.
     ``key_ints`` plus the layouts of ``key_tensors`` (the kernel's tensor arguments, Nones included)."""
     ext = _load()
     if ext is None:
+        return
+    choice = getattr(plan, "choice", None)  # a library call's plan (``_runtime._LibraryPlan``)
+    if choice is not None:
+        if choice.name in LIBRARY_CALLS:  # else C++ leaves the call to Python, which repeats it
+            ext.register_library_plan(list(key_ints), list(key_tensors), LIBRARY_CALLS[choice.name])
         return
     params = _kernel_params(plan)
     if params is None:
@@ -145,8 +153,9 @@ def _load():
         warnings.warn(f"fuselab: the C++ eager path could not be built, eager calls take the Python path "
                       f"(more host time per call): {e}", RuntimeWarning, stacklevel=3)
         return None
-    if ext.GEMM_KIND != GEMM_KIND:
-        raise RuntimeError(f"fuselab: {SOURCE.name} was built with GEMM_KIND {ext.GEMM_KIND}, expected {GEMM_KIND}")
+    if ext.GEMM_KIND != GEMM_KIND or ext.LIBRARY_CALLS != LIBRARY_CALLS:
+        raise RuntimeError(f"fuselab: {SOURCE.name} was built with GEMM_KIND {ext.GEMM_KIND} and library calls "
+                           f"{ext.LIBRARY_CALLS}, expected {GEMM_KIND} and {LIBRARY_CALLS}")
     from fuselab.kernels.matmul_relu_triton import _gemm
 
     ext.set_gemm_fallback(_gemm)

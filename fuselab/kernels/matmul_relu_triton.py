@@ -12,7 +12,8 @@ written once and both products take the faster TMA body, dbias summed by PyTorch
 (``_mask_on_load``).
 The kernel has two bodies: a tiled pointer body for any strides (and the interpreter), and a
 persistent body that moves tiles with TMA descriptors, eligible when every operand has a
-unit-stride dimension and 16-byte aligned rows. The autotuner times both and keeps the faster.
+unit-stride dimension and 16-byte aligned rows. The autotuner times both and keeps the faster, and
+times cuBLAS too wherever it computes the same result (``CUBLAS``: not where the mask is applied on load).
 
 Derivatives the kernels cannot give run PyTorch's ops: a backward that is itself differentiated
 (``create_graph=True``), and calls under forward-mode AD or ``torch.func`` (see ``matmul_relu``).
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels import eager_path
-from fuselab.kernels._autotune import autotune, bucket
+from fuselab.kernels._autotune import LibraryChoice, autotune, bucket
 from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers
 from fuselab.kernels._runtime import (
     INTERPRET,
@@ -80,6 +81,28 @@ def gemm_configs():
 HEURISTIC_CONFIG = _config(128, 128, 64, 4, 8)
 
 
+def _cublas_applies(args: dict) -> bool:
+    """cuBLAS can compute a launch that applies no ReLU mask to A and sums no rows: the forward (a GEMM
+    with a bias epilogue, then ReLU in place) and the backward's products where G is written first."""
+    return not (args["MASK_A"] or args["ROWSUM_A"])
+
+
+def _cublas_gemm(args: dict) -> None:
+    a, b, c = args["a_ptr"], args["b_ptr"], args["c_ptr"]
+    if args["HAS_BIAS"]:
+        torch.addmm(args["bias_ptr"], a, b, out=c)
+    else:
+        torch.mm(a, b, out=c)
+    if args["RELU"]:
+        c.relu_()  # torch.relu's NaN rule (cuBLASLt's ReLU epilogue would turn NaN into 0)
+
+
+# A choice the tuner times beside the kernel's configs, as inductor's max-autotune times aten's mm: where
+# cuBLAS (split-K and all) wins, at decode and skinny shapes say, the op runs it; an extra pass over C
+# for the ReLU is the cost of that choice, and it is timed.
+CUBLAS = LibraryChoice("cublas", _cublas_gemm, _cublas_applies)
+
+
 def _prune_configs(configs, named_args, **kwargs):
     """Drop configs that overflow shared memory, need TMA where the layout forbids it,
     or use tiles far larger than the problem."""
@@ -114,9 +137,9 @@ def _prune_configs(configs, named_args, **kwargs):
 _INTERPRETED_BF16_DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
-@autotune(configs=gemm_configs(), prune=_prune_configs, heuristic=HEURISTIC_CONFIG,
+@autotune(configs=gemm_configs(), prune=_prune_configs, heuristic=HEURISTIC_CONFIG, library=[CUBLAS],
           key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_OK",
-               "HAS_BIAS", "MASK_A", "ROWSUM_A"])
+               "HAS_BIAS", "RELU", "MASK_A", "ROWSUM_A"])
 @triton.jit
 def matmul_relu_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, y_ptr, rowsum_ptr,

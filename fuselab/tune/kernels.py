@@ -21,6 +21,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import triton
 
+from fuselab.kernels._autotune import LibraryChoice
 from fuselab.tune.grid import Problem
 
 
@@ -48,16 +49,26 @@ class Launch:
 
     def run(self, config: triton.Config) -> None:
         """Launch the kernel with ``config``, past the tuner (as Triton's autotuner times a config)."""
-        self.tuner.fn.run(*self.args, **self.kwargs, **config.all_kwargs())
+        run_config(self.tuner, self.args, self.kwargs, config)
 
     def precompile(self, config: triton.Config) -> None:
         """Compile the kernel for ``config`` into Triton's cache, launching nothing."""
+        if isinstance(config, LibraryChoice):  # nothing to compile
+            return
         kwargs = {k: v for k, v in self.kwargs.items() if k != "warmup"}
         self.tuner.fn.warmup(*self.args, **kwargs, **config.all_kwargs())
 
 
+def run_config(tuner, args: tuple, kwargs: dict, config: triton.Config) -> None:
+    """One launch with ``config`` past the tuner: the kernel, or a library choice's call."""
+    if isinstance(config, LibraryChoice):
+        config.call(dict(zip(tuner.arg_names, args), **kwargs))
+    else:
+        tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+
+
 def pruned_configs(tuner, args: tuple, kwargs: dict) -> List[triton.Config]:
-    """The configs ``tuner`` would time for this launch (its pruning applied)."""
+    """The configs ``tuner`` would time for this launch (its pruning applied, library choices included)."""
     tuner.nargs = dict(zip(tuner.arg_names, args))
     try:
         return list(tuner.prune_configs(kwargs))
@@ -91,7 +102,7 @@ def _run_any(tuner, args: tuple, kwargs: dict, configs: List[triton.Config]) -> 
     """Launch with the first of ``configs`` that runs (one that does not compile is timed, and fails, later)."""
     for i, config in enumerate(configs):
         try:
-            tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+            run_config(tuner, args, kwargs, config)
             return
         except Exception:  # noqa: BLE001
             if i == len(configs) - 1:

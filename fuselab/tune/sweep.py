@@ -174,7 +174,7 @@ def _precompile_task(problem: Problem, product: str, names: List[str]) -> Tuple[
     with entry.context(problem):
         launches = entry.launches(problem, device(), torch.empty, execute=False)
     launch = next(launch for launch in launches if launch.product == product)
-    by_name = {str(c): c for c in launch.tuner.configs}
+    by_name = {str(c): c for c in launch.configs}  # the launch's candidates: its pruned configs, library choices
     errors = []
     for name in names:
         config = by_name.get(name)

@@ -35,6 +35,9 @@ namespace {
 
 // The first ints of a GEMM's key (kind, device, relu); matmul_relu_triton._gemm builds the same.
 constexpr int64_t kGemmKind = 1;
+// A plan that is a library call, not a kernel (eager_path.LIBRARY_CALLS): matmul_relu_triton's CUBLAS,
+// c = [relu](a @ b + bias) by aten's addmm/mm (cuBLAS), then an in-place ReLU.
+constexpr int kLibraryCublas = 1;
 
 using Key = std::vector<int64_t>;
 
@@ -68,6 +71,7 @@ struct Plan {
   int device;
   std::vector<uint64_t> params;  // one 8-byte slot per kernel parameter, the two scratch pointers last
   std::vector<int> tensor_params;  // the slot of each tensor argument, in argument order
+  int library = 0;                 // kLibraryCublas: the autotuner chose cuBLAS here, and nothing above is set
 };
 
 std::shared_mutex plans_mutex;
@@ -145,7 +149,17 @@ void gemm(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor* bias,
   append_layout(key, nullptr);  // y: the eager path writes G once (Hopper), it never masks on load
   append_layout(key, nullptr);  // rowsum
   if (auto plan = find_plan(key)) {
-    launch(*plan, {&a, &b, &c, bias});
+    if (plan->library == kLibraryCublas) {
+      Tensor out = c;  // a handle to the same storage: the _out ops write c
+      if (bias) {
+        at::addmm_out(out, *bias, a, b);
+      } else {
+        at::mm_out(out, a, b);
+      }
+      if (relu) out.relu_();
+    } else {
+      launch(*plan, {&a, &b, &c, bias});
+    }
     return;
   }
   py::gil_scoped_acquire gil;  // the backward runs on autograd's thread, without the GIL
@@ -309,6 +323,18 @@ void register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tens
   plans[std::move(key)] = std::move(plan);
 }
 
+void register_library_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors,
+                           int library) {
+  TORCH_CHECK(library == kLibraryCublas, "fuselab eager path: unknown library call ", library);
+  Key key = std::move(key_ints);
+  for (auto& t : key_tensors) append_layout(key, t ? &*t : nullptr);
+  auto plan = std::make_shared<Plan>();
+  plan->library = library;
+  std::unique_lock<std::shared_mutex> lock(plans_mutex);
+  if (plans.size() >= kMaxPlans) plans.clear();
+  plans[std::move(key)] = std::move(plan);
+}
+
 bool has_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors) {
   Key key = std::move(key_ints);
   for (auto& t : key_tensors) append_layout(key, t ? &*t : nullptr);
@@ -327,8 +353,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("GEMM_KIND") = kGemmKind;
   m.def("matmul_relu", &matmul_relu, py::arg("a"), py::arg("weight"), py::arg("bias"), py::arg("linear"),
         py::arg("autocast"));
+  m.attr("LIBRARY_CALLS") = py::dict(py::arg("cublas") = kLibraryCublas);
   m.def("register_plan", &register_plan);
+  m.def("register_library_plan", &register_library_plan);
   m.def("has_plan", &has_plan);
+  m.def("gemm", [](const Tensor& a, const Tensor& b, const Tensor& c, std::optional<Tensor> bias, bool relu) {
+    gemm(a, b, c, bias ? &*bias : nullptr, relu);  // a planned GEMM as the autograd node runs it (tests)
+  });
   m.def("clear_plans", &clear_plans);
   m.def("set_gemm_fallback", [](py::object fn) {
     if (gemm_fallback == nullptr) gemm_fallback = new py::object();

@@ -546,6 +546,7 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
         covered |= seen
     for view in default_views(res, covered, spec.hide):
         out += render_view(res, spec, view)[0]
+    out += library_choice_lines(res)
     if res.failed:
         out += ["### Not measured", "", "Configurations that failed (the error's first line):", "",
                 markdown_table(["op", "provider", "shape", "dtype", "mode", "error", "run"],
@@ -554,6 +555,22 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
     out += ["### Runs", "", "Each row of the results names the run that measured it:", ""]
     out += environment_lines(res)
     return "\n".join(out).rstrip() + "\n"
+
+
+def library_choice_lines(res: Results) -> List[str]:
+    """Where a tuned provider ran a library call instead of its kernel (a row's ``config`` is a
+    ``LibraryChoice``): its ratios there are that library's, and the page says so."""
+    from fuselab.kernels.matmul_relu_triton import matmul_relu_kernel
+
+    names = {str(c) for c in matmul_relu_kernel.library}
+    rows = [r for r in res.rows if r.get("config") in names]
+    if not rows:
+        return []
+    lines = sorted({(r["op"], r["provider"], r["shape"], r["dtype"], r["config"], f"`{r.get('run')}`") for r in rows})
+    return ["### Where the tuner chose a library call", "",
+            "At these shapes every Triton config was slower than the library call (`cublas`: `torch.addmm`, then "
+            "an in-place ReLU), so the op ran that call and its row measures it:", "",
+            markdown_table(["op", "provider", "shape", "dtype", "choice", "run"], [list(x) for x in lines]), ""]
 
 
 # ----------------------------------------------------------------------------------------------

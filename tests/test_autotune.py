@@ -298,6 +298,11 @@ def test_library_choice_is_never_taken_untimed(cache_dir, env):
     assert tuner.best_config is CONFIGS[1] and calls == []
 
 
+def test_library_choices_are_distinct_keys():
+    first, second = _doubling([]), _autotune.LibraryChoice("other", lambda args: None, lambda args: True)
+    assert len({first: 1, second: 2, CONFIGS[0]: 3}) == 3 and first != second and first == first
+
+
 def test_library_choice_changes_the_fingerprint():
     plain = _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"])
     assert plain.fingerprint != _library_timed_tuner([], 1.0).fingerprint

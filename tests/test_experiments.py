@@ -688,6 +688,16 @@ def test_report_ratios_come_from_rows():
     assert "| opt train | bf16 | opt | 40.0 | 32.0 | 1.25 |" in report.render_study(comp)
 
 
+def test_report_names_the_shapes_where_the_tuner_chose_a_library_call():
+    res = Results("demo")
+    for shape, config in (("16x11008x4096", "cublas"), ("8192x8192x8192", "BLOCK_M: 128, BLOCK_N: 256")):
+        _row(res, "fuselab", 1.0, metric="TFLOP/s", mode="eager", shape=shape, config=config)
+    page = report.render_study(res, report.Spec("Demo", ""))
+    section = page.split("### Where the tuner chose a library call")[1].split("###")[0]
+    assert "| fwd | fuselab | 16x11008x4096 | bf16 | cublas |" in section and "8192x8192x8192" not in section
+    assert "library call" not in report.render_study(Results("empty"), report.Spec("Demo", ""))
+
+
 def test_report_training_runs_stay_apart(tmp_path):
     # Two train_fsdp runs of one model: the headline names the GPUs of the best MFU's run, and the loss
     # curves of one provider at two batch shapes are two lines, not one zigzag.

@@ -277,6 +277,8 @@ class LibraryChoice(triton.Config):
         return self.name
 
     __repr__ = __str__
+    # triton.Config compares by its kwargs, which a library choice has none of: two would be one dict key
+    __eq__, __hash__ = object.__eq__, object.__hash__
 
 
 class PersistentAutotuner(Autotuner):

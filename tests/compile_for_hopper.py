@@ -1,0 +1,197 @@
+"""Compile fuselab's Triton kernels to sm_90 cubins on a machine without a GPU (run without TRITON_INTERPRET).
+
+The interpreter accepts what the compiler refuses (a non-constexpr global did, once): this compiles the
+real thing. Each kernel's launches are recorded as the ops make them, on CPU tensors, through the sweep's
+recorder (``fuselab.tune.kernels.recording``: the tuner's ``run`` is swapped, nothing launches), and each
+recorded launch is compiled with the configs named on the command line's groups. Prints one line per
+compiled (kernel, config), then ``compiled N``; exits non-zero on the first failure, naming it.
+
+    python tests/compile_for_hopper.py gemm-fwd gemm-tma ...   (groups: see GROUPS)
+"""
+import sys
+import types
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fuselab.tune.kernels import recording
+
+TARGET = GPUTarget("cuda", 90, 32)
+_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int8: "*i8",
+                  torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+def signature_of(fn, named: dict):
+    """(signature, constexprs) for ``triton.compile`` from a launch's named arguments, as the launcher
+    would specialize them (None pointers, integers equal to 1 and every tl.constexpr parameter become
+    constexprs; the 16-divisibility hints are left out)."""
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        value = named[p.name]
+        if p.is_constexpr or value is None or (type(value) is int and value == 1):  # Triton specializes 1 too
+            signature[p.name], constexprs[p.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[p.name] = _POINTER_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[p.name] = "i1"
+        elif isinstance(value, int):
+            signature[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}.{p.name}: cannot type {value!r}")
+    return signature, constexprs
+
+
+def compile_launch(launch, config, **overrides) -> None:
+    fn = launch.tuner.fn
+    named = {**dict(zip(fn.arg_names, launch.args)), **launch.kwargs, **config.kwargs, **overrides}
+    signature, constexprs = signature_of(fn, named)
+    out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                         options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    assert "cubin" in out.asm, sorted(out.asm)
+
+
+def record(tuner, call):
+    with recording(tuner, lambda: "launch", execute=False) as launches:
+        call()
+    return launches
+
+
+class PlainLaunch:
+    """A launch of an untuned kernel (``_runtime.launch(kernel, grid, *args, num_warps=.., **constexprs)``),
+    shaped like a recorded ``Launch`` with its launch options as the config."""
+
+    def __init__(self, kernel, args, kwargs):
+        self.tuner = types.SimpleNamespace(fn=kernel)
+        self.args = args
+        self.kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        self.config = triton.Config({}, num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3))
+
+
+def record_plain(module, call):
+    """The launches ``call()`` makes through ``module.launch`` (swapped for a recorder: nothing runs)."""
+    launches = []
+    real = module.launch
+    module.launch = lambda kernel, grid, *args, **kwargs: launches.append(PlainLaunch(kernel, args, kwargs))
+    try:
+        call()
+    finally:
+        module.launch = real
+    return launches
+
+
+def gemm_launches(dtype, *, bias=True, relu=True, mask=False, rowsum=False):
+    from fuselab.kernels import matmul_relu_triton as MR
+
+    M, N, K = 256, 256, 128
+    a, b, c = torch.empty(M, K, dtype=dtype), torch.empty(K, N, dtype=dtype), torch.empty(M, N, dtype=dtype)
+    y = torch.empty(M, K, dtype=dtype) if mask else None
+    return record(MR.matmul_relu_kernel, lambda: MR._gemm(
+        a, b, c, bias=torch.empty(N, dtype=dtype) if bias else None, y=y,
+        rowsum=torch.empty(M, dtype=torch.float32) if rowsum else None, relu=relu))
+
+
+def scaled_gemm_launches(dtype):
+    from fuselab.quant import _scaled_gemm as SG
+
+    M, N, K = 256, 256, 256
+    a, b = torch.empty(M, K, dtype=dtype), torch.empty(N, K, dtype=dtype).t()
+    scales = torch.empty(M, dtype=torch.float32), torch.empty(N, dtype=torch.float32)
+    c = torch.empty(M, N, dtype=torch.bfloat16)
+    return record(SG.scaled_gemm_kernel, lambda: SG.scaled_gemm(a, b, c, *scales, torch.empty(N, dtype=torch.bfloat16),
+                                                                True))
+
+
+def _gemm_configs(tma: bool):
+    from fuselab.kernels import matmul_relu_triton as MR
+
+    return [c for c in MR.matmul_relu_kernel.configs if c.kwargs["TMA"] == tma]
+
+
+def group_gemm_fwd():
+    """Every pointer-body config of the forward (bf16, bias, ReLU)."""
+    (launch,) = gemm_launches(torch.bfloat16)
+    for config in _gemm_configs(tma=False):
+        yield "matmul_relu fwd bf16", launch, config, {}
+
+
+def group_gemm_tma():
+    """Every TMA-body config of the forward (bf16, bias, ReLU) and of a backward product (fp16)."""
+    (fwd,) = gemm_launches(torch.bfloat16)
+    (grad,) = gemm_launches(torch.float16, bias=False, relu=False)
+    for config in _gemm_configs(tma=True):
+        yield "matmul_relu fwd bf16 tma", fwd, config, {"TMA_OK": True}
+        yield "matmul_relu grad fp16 tma", grad, config, {"TMA_OK": True}
+
+
+def group_gemm_variants():
+    """One pointer config of each other launch kind: tf32, no bias, the masked and row-summed backward."""
+    config = _gemm_configs(tma=False)[2]
+    for what, kwargs, dtype in (("tf32 fwd", {}, torch.float32), ("no bias", {"bias": False}, torch.bfloat16),
+                                ("masked grad", {"bias": False, "relu": False, "mask": True}, torch.bfloat16),
+                                ("masked grad + rowsum", {"bias": False, "relu": False, "mask": True, "rowsum": True},
+                                 torch.float16)):
+        (launch,) = gemm_launches(dtype, **kwargs)
+        yield f"matmul_relu {what}", launch, config, {}
+
+
+def group_quant():
+    """Every config of the 8-bit GEMM, int8 and fp8, with its full epilogue."""
+    from fuselab.quant import _scaled_gemm as SG
+
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        (launch,) = scaled_gemm_launches(dtype)
+        for config in SG.scaled_gemm_kernel.configs:
+            yield f"scaled_gemm {dtype}", launch, config, {}
+
+
+def group_rowwise():
+    """The one-pass activation quantization: int8 and fp8 rows, int8 with a static scale, short and long rows."""
+    from fuselab.quant import rowwise
+
+    for fp8, static, K in ((False, False, 2048), (False, True, 2048), (True, False, 2048), (False, False, 8192)):
+        x = torch.empty(64, K, dtype=torch.bfloat16)
+        q = torch.empty(64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
+        for launch in record_plain(rowwise, lambda: rowwise._quantize_rows(x, q, torch.empty(64), static)):
+            yield f"quantize_rows fp8={fp8} static={static} K={K}", launch, launch.config, {}
+
+
+def group_sparse_adamw():
+    """SparseAdamW's two kernels, for each parameter dtype and a narrow and a wide row."""
+    from fuselab.kernels import sparse_adamw as SA
+
+    for dtype, dim in ((torch.float32, 128), (torch.bfloat16, 64), (torch.float16, 4096)):
+        rows = [torch.empty(1000, dim, dtype=dtype) for _ in range(3)]
+        ids, values = torch.zeros(300, dtype=torch.int64), torch.empty(300, dim, dtype=dtype)
+
+        def step():
+            SA.sparse_adamw_triton(*rows, ids, values, 1e-3, 0.9, 0.999, 1e-8, 0.01, torch.ones(()), False)
+
+        for launch in record_plain(SA, step):
+            yield f"{launch.tuner.fn.__name__} {dtype} dim={dim}", launch, launch.config, {}
+
+
+GROUPS = {"gemm-fwd": group_gemm_fwd, "gemm-tma": group_gemm_tma, "gemm-variants": group_gemm_variants,
+          "quant": group_quant, "rowwise": group_rowwise, "sparse-adamw": group_sparse_adamw}
+
+
+def main(names) -> int:
+    count = 0
+    for name in names:
+        for what, launch, config, overrides in GROUPS[name]():
+            try:
+                compile_launch(launch, config, **overrides)
+            except Exception as e:  # noqa: BLE001  the first failure ends the run, named
+                print(f"FAILED {what} [{config}]: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                return 1
+            count += 1
+            print(f"ok {what} [{config}]", flush=True)
+    print(f"compiled {count}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

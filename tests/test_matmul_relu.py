@@ -52,6 +52,44 @@ def test_both_backward_paths(device, mask_on_load, a_layout, b_layout, monkeypat
     check_forward_backward(a, b, torch.randn(22, dtype=dtype, device=device), dtype)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the GPU's configs (CPU only)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # bf16 dot is garbage there
+@pytest.mark.parametrize("b_layout", ["contiguous", "transposed"])
+def test_every_gpu_config_in_the_interpreter(dtype, b_layout, monkeypatch):
+    # Each config the GPU's tuner may pick, TMA bodies included (the interpreter runs tensor descriptors),
+    # on a CPU: a wrong tile, mask or epilogue fails here before any GPU run. test_matmul_relu_gpu.py
+    # runs them compiled.
+    import triton
+    from reference import assert_close, dot_bound
+
+    monkeypatch.setattr(matmul_relu_module, "has_tma", lambda device: True)  # the TMA body's layouts qualify
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+    M, N, K = 300, 264, 136  # not multiples of any block; rows 16-byte aligned for TMA
+    a, b = randn(M, K, dtype=dtype, device="cpu"), randn(K, N, dtype=dtype, device="cpu", layout=b_layout)
+    biases = [rand_bias(N, dtype, "cpu", layout) for layout in ("contiguous", "column", "broadcast")]
+    configs = matmul_relu_module.gemm_configs(interpret=False)
+    assert {c.kwargs["TMA"] for c in configs} == {False, True} and len(configs) > 10
+    for i, config in enumerate(configs):
+        bias = biases[i % 3]
+        c = torch.full((M, N), float("nan"), dtype=dtype)  # poison: every element must be written
+        matmul_relu_module._gemm(a, b, c, bias=bias, relu=True, config=config)
+        ref = torch.relu(a.double() @ b.double() + bias.double())
+        bound = dot_bound(dtype, K, a.double().abs(), b.double().abs()) + 2.0**-24 * bias.double().abs()
+        assert_close(c, ref, bound, f"forward, config {config}, bias stride {bias.stride(0)}")
+    g, y = randn(M, N, dtype=dtype, device="cpu"), randn(M, N, dtype=dtype, device="cpu")
+    gm = torch.where(y <= 0, 0, g).double()
+    for config in configs:  # the backward's products: masked on load with row sums (pointer body), or bare
+        out = torch.full((N, K), float("nan"), dtype=dtype)
+        if config.kwargs["TMA"]:
+            matmul_relu_module._gemm(gm.t().to(dtype), a, out, config=config)
+        else:
+            rowsum = torch.full((N,), float("nan"), dtype=torch.float32)
+            matmul_relu_module._gemm(g.t(), a, out, y=y.t(), rowsum=rowsum, config=config)
+            ones = torch.ones(M, 1, dtype=torch.float64)
+            assert_close(rowsum, gm.sum(0), dot_bound(dtype, M, gm.abs().t(), ones).squeeze(1), f"dbias {config}")
+        assert_close(out, gm.t() @ a.double(), dot_bound(dtype, M, gm.abs().t(), a.double().abs()), f"dB^T {config}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("b_layout,bias_layout", [("contiguous", "contiguous"), ("transposed", "strided"),

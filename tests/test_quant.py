@@ -157,6 +157,31 @@ def test_gemm_matches_float64(device, kind, M, K, N, bias, relu):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_every_gpu_config(device, kind):
+    # Each config the GPU's tuner may pick (the interpreter runs them on a CPU), with the full epilogue;
+    # the bias layouts (strides 1, 3 and 0) take turns.
+    from fuselab.quant._scaled_gemm import gemm_configs, scaled_gemm
+
+    _skip_fp8_without_hardware(device, kind)
+    M, K, N = 300, 264, 136  # not multiples of any block
+    a, b, a_scale, b_scale = _operands(M, K, N, kind, device)
+    biases = [torch.randn(N, device=device), torch.randn(N, 3, device=device)[:, 1],
+              torch.randn((), device=device).expand(N)]
+    for i, config in enumerate(gemm_configs(interpret=False)):
+        bias = biases[i % 3]
+        out = torch.full((M, N), float("nan"), device=device)  # poison: every element must be written
+        try:
+            scaled_gemm(a, b, out, a_scale, b_scale, bias, True, config=config)
+        except Exception as e:  # out of shared memory on some GPU is allowed, nothing else
+            if "OutOfResources" in type(e).__name__ or "out of resource" in str(e):
+                continue
+            raise
+        ref, bound = reference(a, b, a_scale, b_scale, bias, True)
+        assert_close(out, ref, bound, f"{kind} config {config}, bias stride {bias.stride(0)}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 def test_output_dtypes_and_bias_dtypes(device, kind, out_dtype):
     _skip_fp8_without_hardware(device, kind)

@@ -57,9 +57,10 @@ def _config(bm, bn, bk, stages, warps, tma=False, subtile=False, group_m=8):
     return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
-def gemm_configs():
-    """Configs timed by the autotuner; pruned per problem by ``_prune_configs``."""
-    if INTERPRET:  # timings mean nothing there: two small tiles exercise the tuner cheaply
+def gemm_configs(interpret: bool = INTERPRET):
+    """Configs timed by the autotuner; pruned per problem by ``_prune_configs``. ``interpret=False``: the
+    GPU's list, also under the interpreter (tests run each config there)."""
+    if interpret:  # timings mean nothing there: two small tiles exercise the tuner cheaply
         return [_config(32, 32, 32, 1, 4, group_m=2), _config(16, 32, 16, 1, 4, group_m=2)]
     # Hopper (sm_90) first: wgmma tiles are 64 rows per warpgroup, so 128x256 wants 8 warps.
     pointer = [_config(*c) for c in [

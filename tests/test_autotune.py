@@ -312,11 +312,10 @@ def test_bucket():
     assert [_autotune.bucket(n) for n in (0, 1, 2, 3, 64, 65, 4096, 4097)] == [1, 1, 2, 4, 64, 128, 4096, 8192]
 
 
-def test_narrow_row_tiles_are_tuned_for_skinny_problems_only(monkeypatch):
+def test_narrow_row_tiles_are_tuned_for_skinny_problems_only():
     # Decode-sized M times the 16- and 32-row tiles; a taller problem never spends tuning time on them.
     gemm = importlib.import_module("fuselab.kernels.matmul_relu_triton")
-    monkeypatch.setattr(gemm, "INTERPRET", False)  # the GPU's config list (the interpreter's is two tiles)
-    configs = gemm.gemm_configs()
+    configs = gemm.gemm_configs(interpret=False)  # the GPU's config list (the interpreter's is two tiles)
     a = torch.empty(1, 1, dtype=torch.bfloat16)
 
     def row_tiles(m, tma_ok=True):

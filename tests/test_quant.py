@@ -155,16 +155,39 @@ def test_gemm_matches_float64(device, kind, M, K, N, bias, relu):
     assert_close(out, ref, bound, f"{kind} triton")
 
 
+def test_tma_body_is_offered_only_where_layouts_and_its_switch_allow(monkeypatch):
+    from fuselab.quant import _scaled_gemm
+
+    configs = _scaled_gemm.gemm_configs(interpret=False)
+    args = dict(a_ptr=torch.empty(1, dtype=torch.int8), c_ptr=torch.empty(1, dtype=torch.bfloat16),
+                M_BUCKET=8192, N_BUCKET=8192, K_BUCKET=8192)
+
+    def offered(tma_ok):
+        return any(c.kwargs["TMA"] for c in _scaled_gemm._prune_configs(configs, dict(args, TMA_OK=tma_ok)))
+
+    monkeypatch.setattr(_scaled_gemm, "TMA_ON_CUDA", False)  # until its GPU tests pass
+    assert not offered(True) and not offered(False)
+    monkeypatch.setattr(_scaled_gemm, "TMA_ON_CUDA", True)
+    assert offered(True) and not offered(False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_every_gpu_config(device, kind):
-    # Each config the GPU's tuner may pick (the interpreter runs them on a CPU), with the full epilogue;
-    # the bias layouts (strides 1, 3 and 0) take turns.
+def test_every_gpu_config(device, kind, monkeypatch):
+    # Each config the GPU's tuner may pick (the interpreter runs them on a CPU, TMA bodies included),
+    # with the full epilogue; the bias layouts (strides 1, 3 and 0) take turns.
+    import triton
+
+    from fuselab.quant import _scaled_gemm
     from fuselab.quant._scaled_gemm import gemm_configs, scaled_gemm
 
     _skip_fp8_without_hardware(device, kind)
-    M, K, N = 300, 264, 136  # not multiples of any block
+    if device == "cpu":
+        monkeypatch.setattr(_scaled_gemm, "has_tma", lambda device: True)  # the TMA body's layouts qualify
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+    M, K, N = 300, 272, 136  # not multiples of any block; 16-byte aligned rows for TMA
     a, b, a_scale, b_scale = _operands(M, K, N, kind, device)
+    assert {c.kwargs["TMA"] for c in gemm_configs(interpret=False)} == {False, True}
     biases = [torch.randn(N, device=device), torch.randn(N, 3, device=device)[:, 1],
               torch.randn((), device=device).expand(N)]
     for i, config in enumerate(gemm_configs(interpret=False)):

@@ -5,7 +5,9 @@
 A (M, K) and B (K, N) are both int8 (accumulated exactly in int32) or both fp8 e4m3 (accumulated in
 fp32); the scales, bias, ReLU and the cast to the output dtype run on the accumulator tile while it is
 still in registers. Without scales the raw accumulators are stored (int32 or fp32), as
-``torch._int_mm`` returns them. ``int8_gemm.py`` and ``fp8_gemm.py`` register the two ops and hold
+``torch._int_mm`` returns them. Two bodies, as the bf16 GEMM's: a tiled pointer body for any strides,
+and a persistent TMA body (Hopper; A row-major, B a weight's transpose, 16-byte aligned rows) whose
+next tile's loads overlap this tile's epilogue. ``int8_gemm.py`` and ``fp8_gemm.py`` register the two ops and hold
 their PyTorch paths; this module holds what they share: the configs, the kernel, the launcher, the
 input checks and the epilogue as PyTorch computes it.
 """
@@ -24,9 +26,11 @@ from fuselab.kernels._runtime import (
     ExecutionPath,
     check_same_device,
     execution_path,
+    has_tma,
     launch,
     launch_planned,
     max_shared_memory,
+    num_sms,
     plan_layout,
     untraced,
 )
@@ -36,8 +40,8 @@ from fuselab.kernels._runtime import (
 # ----------------------------------------------------------------------------------------------
 
 
-def _config(bm, bn, bk, stages, warps, group_m=8):
-    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}
+def _config(bm, bn, bk, stages, warps, group_m=8, tma=False, subtile=False):
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "TMA": tma, "EPILOGUE_SUBTILE": subtile}
     return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
@@ -48,18 +52,29 @@ def gemm_configs(interpret: bool = INTERPRET):
         return [_config(32, 32, 32, 1, 4, group_m=2), _config(16, 32, 64, 1, 4, group_m=2)]
     # Hopper first: 8-bit operands take BLOCK_K=128 (128-byte rows, the widest shared-memory swizzle),
     # and 128x256 tiles want two warpgroups.
-    return [_config(*c) for c in [
+    pointer = [_config(*c) for c in [
         (128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8), (128, 128, 128, 4, 4),
         (64, 256, 128, 4, 4), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 256, 64, 4, 8),
         (64, 64, 256, 4, 4), (32, 64, 256, 4, 4), (16, 64, 256, 4, 4)]]  # few rows (decode): deeper K
+    # Persistent TMA body: the next tile's loads start while this tile's epilogue runs.
+    tma = [_config(*c, tma=True, subtile=sub) for *c, sub in [
+        (128, 256, 128, 3, 8, False), (128, 256, 128, 4, 8, True), (256, 128, 128, 3, 8, False),
+        (128, 128, 128, 4, 8, False), (128, 128, 128, 5, 4, False), (64, 256, 128, 4, 4, False)]]
+    return pointer + tma
 
 
 # Used when FUSELAB_AUTOTUNE=0: a tile that is good on Hopper for large 8-bit problems.
 HEURISTIC_CONFIG = _config(128, 128, 128, 4, 8)
 
 
+# The TMA body runs on CUDA only once its GPU tests have passed (it was written without a GPU; the
+# interpreter and the sm_90 compile check cover it on a CPU): until then the tuner never offers it there.
+TMA_ON_CUDA = False
+
+
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs that overflow shared memory or use tiles far larger than the problem."""
+    """Drop configs that overflow shared memory, need TMA where the layout (or TMA_ON_CUDA) forbids it,
+    or use tiles far larger than the problem."""
     args = {**named_args, **kwargs}
     es = args["a_ptr"].element_size()
     smem = max_shared_memory()
@@ -67,7 +82,12 @@ def _prune_configs(configs, named_args, **kwargs):
     kept = []
     for c in configs:
         bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        if c.num_stages * (bm * bk + bk * bn) * es > smem:
+        need = c.num_stages * (bm * bk + bk * bn) * es
+        if c.kwargs["TMA"]:
+            if not (args["TMA_OK"] and TMA_ON_CUDA):
+                continue
+            need += bm * bn * args["c_ptr"].element_size() // (2 if c.kwargs["EPILOGUE_SUBTILE"] else 1)
+        if need > smem:
             continue
         if (bm > 64 and m <= 32) or (bn > 64 and n <= 32) or (bk > 64 and k <= 32):
             continue
@@ -81,7 +101,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 @autotune(configs=gemm_configs(), prune=_prune_configs, heuristic=HEURISTIC_CONFIG,
-          key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "SCALED", "HAS_BIAS"])
+          key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_OK", "SCALED", "HAS_BIAS"])
 @triton.jit
 def scaled_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
@@ -90,10 +110,37 @@ def scaled_gemm_kernel(
     stride_a_scale, stride_b_scale, stride_bias,
     M_BUCKET, N_BUCKET, K_BUCKET, A_ROW_MAJOR, B_ROW_MAJOR,  # autotune keys only
     INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
-    INT64: tl.constexpr,
+    INT64: tl.constexpr, TMA_OK: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
 ):
     """C = epilogue(A @ B); see the module docstring."""
+    if TMA:
+        _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am,
+                                    stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias, INT8,
+                                    SCALED, HAS_BIAS, RELU, NUM_SMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                    EPILOGUE_SUBTILE)
+    else:
+        _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
+                          stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale, stride_bias,
+                          INT8, SCALED, HAS_BIAS, RELU, INT64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _dot(a, b, acc, INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+    if INT8:
+        return tl.dot(a, b, acc, out_dtype=tl.int32)  # exact: the checks keep K below int32 overflow
+    # Hopper's fp8 MMA keeps fewer bits while it accumulates, and Triton's sm_90 default lets it run over
+    # the whole K: promote into fp32 once per K tile instead.
+    return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit
+def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
+                      stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale, stride_bias,
+                      INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
+                      INT64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m, offs_n, offs_k, rm, rn, a_ptrs, b_ptrs = tile_pointers(
         a_ptr, b_ptr, pid_m, pid_n, M, N, stride_am, stride_ak, stride_bk, stride_bn, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -105,12 +152,7 @@ def scaled_gemm_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if INT8:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # exact: the checks keep K below int32 overflow
-        else:
-            # Hopper's fp8 MMA keeps fewer bits while it accumulates, and Triton's sm_90 default lets it
-            # run over the whole K: promote into fp32 once per K tile instead.
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        acc = _dot(a, b, acc, INT8, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if SCALED:
@@ -120,6 +162,50 @@ def scaled_gemm_kernel(
         out = acc
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am,
+                                stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias,
+                                INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                RELU: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                EPILOGUE_SUBTILE: tl.constexpr):
+    # A row-major, B = a weight's transpose (K-major, as Hopper's 8-bit MMA reads both), C row-major:
+    # TMA_OK says so (_tma_ok). B is described as the (N, K) weight and transposed in shared memory.
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+    C_BLOCK_N: tl.constexpr = BLOCK_N // 2 if EPILOGUE_SUBTILE else BLOCK_N
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, C_BLOCK_N])
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = tile_coords(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if INT8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):  # TMA zero-fills past K's edge: the tail adds nothing
+            a = a_desc.load([off_m, ki * BLOCK_K])
+            b = b_desc.load([off_n, ki * BLOCK_K]).T
+            acc = _dot(a, b, acc, INT8, BLOCK_K)
+        if SCALED:
+            # In-range indices (the store drops rows and columns past the edge), as the pointer body's.
+            rm = (off_m + tl.arange(0, BLOCK_M)) % M
+            rn = (off_n + tl.arange(0, BLOCK_N)) % N
+            out = _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, stride_b_scale,
+                            stride_bias, HAS_BIAS, RELU)
+        else:
+            out = acc
+        c = out.to(c_ptr.dtype.element_ty)
+        if EPILOGUE_SUBTILE:  # two half-width stores halve the epilogue's shared memory
+            c0, c1 = c.reshape(BLOCK_M, 2, C_BLOCK_N).permute(0, 2, 1).split()
+            c_desc.store([off_m, off_n], c0)
+            c_desc.store([off_m, off_n + C_BLOCK_N], c1)
+        else:
+            c_desc.store([off_m, off_n], c)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,11 +255,17 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
         if launch_planned(plan_key, *present):
             return
 
+    tma_ok = _tma_ok(a, b, c) and K > 0
+    sms = num_sms(a.device)
+
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(sms, tiles) if meta["TMA"] else tiles,)
 
     kernel, meta = scaled_gemm_kernel, {}
     if config is not None:
+        if config.kwargs["TMA"] and not tma_ok:
+            raise ValueError(f"config {config} needs TMA-compatible layouts")
         kernel, meta = scaled_gemm_kernel.fn, config.all_kwargs()
     scale_strides = (a_scale.stride(0), b_scale.stride(0)) if a_scale is not None else (0, 0)
     launch(kernel, grid, a, b, c, a_scale, b_scale, bias, M, N, K,
@@ -181,7 +273,21 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
            *scale_strides, bias.stride(0) if bias is not None else 0,
            bucket(M), bucket(N), bucket(K), int(a.stride(1) == 1), int(b.stride(1) == 1),
            INT8=a.dtype == torch.int8, SCALED=a_scale is not None, HAS_BIAS=bias is not None, RELU=relu,
-           INT64=needs_int64(a, b, c, a_scale, b_scale, bias), plan_key=plan_key, **meta)
+           INT64=needs_int64(a, b, c, a_scale, b_scale, bias), TMA_OK=tma_ok, NUM_SMS=sms, plan_key=plan_key,
+           **meta)
+
+
+def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """The TMA body's layouts: a row-major, b column-major (a weight's transpose: both operands K-major,
+    as Hopper's 8-bit MMA reads them), c row-major; every row and base 16-byte aligned; on Hopper."""
+    if not has_tma(a.device):
+        return False
+
+    def rows_aligned(t, row_stride):  # storage_offset, not data_ptr(): also on fake tensors
+        return t.storage_offset() * t.element_size() % 16 == 0 and row_stride * t.element_size() % 16 == 0
+
+    return (a.stride(1) == 1 and rows_aligned(a, a.stride(0)) and b.stride(0) == 1 and rows_aligned(b, b.stride(1))
+            and c.stride(1) == 1 and rows_aligned(c, c.stride(0)))
 
 
 # ----------------------------------------------------------------------------------------------

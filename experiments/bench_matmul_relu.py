@@ -285,7 +285,9 @@ def measure(results: Results, op: str, shape: str, dtype_name: str, args, layout
                     if device == "cuda":
                         torch.cuda.empty_cache()
                     continue
-                extra = {"config": fuselab_config()} if name == "fuselab" and mode == "eager" else {}
+                # the tuner's choice, where the op is one launch (fwd+bwd's last would name one product only)
+                one_launch = name == "fuselab" and mode == "eager" and op != "fwd+bwd"
+                extra = {"config": fuselab_config()} if one_launch else {}
                 results.record_time(**keys, mode=mode, value=timing, flops=flops, **extra)
                 if floor is not None:
                     results.record(**keys, mode=mode, metric="% bytes floor", value=timing.scaled(100 * floor))

@@ -558,12 +558,10 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
 
 
 def library_choice_lines(res: Results) -> List[str]:
-    """Where a tuned provider ran a library call instead of its kernel (a row's ``config`` is a
-    ``LibraryChoice``): its ratios there are that library's, and the page says so."""
-    from fuselab.kernels.matmul_relu_triton import matmul_relu_kernel
-
-    names = {str(c) for c in matmul_relu_kernel.library}
-    rows = [r for r in res.rows if r.get("config") in names]
+    """Where a tuned provider ran a library call instead of its kernel (a row's ``config`` is the name
+    of a ``LibraryChoice``; a Triton config's reads ``BLOCK_M: .., num_warps: ..``): its ratios there are
+    that library's, and the page says so."""
+    rows = [r for r in res.rows if r.get("config") and "num_warps" not in r["config"]]
     if not rows:
         return []
     lines = sorted({(r["op"], r["provider"], r["shape"], r["dtype"], r["config"], f"`{r.get('run')}`") for r in rows})

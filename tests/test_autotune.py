@@ -244,7 +244,7 @@ def _doubling(calls):
         calls.append(args["n"])
         torch.mul(args["x_ptr"][:args["n"]], 2, out=args["y_ptr"][:args["n"]])
 
-    return _autotune.LibraryChoice("torch.mul", call, lambda args: args["n"] >= 64)
+    return _autotune.LibraryChoice("torch.mul", call, lambda args: args["SIZE_KEY"] >= 64)  # a key field only
 
 
 def _library_timed_tuner(calls, library_time):
@@ -273,7 +273,7 @@ def test_library_choice_is_timed_beside_the_configs_and_kept_where_faster(cache_
     _double(fresh, 90)
     assert str(fresh.best_config) == "torch.mul" and calls == [100, 90]
 
-    assert not isinstance(_double(tuner, 40), _autotune.LibraryChoice)  # it does not apply: the kernel's
+    assert not isinstance(_double(tuner, 20), _autotune.LibraryChoice)  # bucket 32: it does not apply, the kernel's
     assert calls == [100, 90]
     slower = _library_timed_tuner(calls, library_time=3.0)  # timed, and slower: the kernel's config
     _double(slower, 300)
@@ -292,10 +292,12 @@ def test_library_choice_is_never_taken_untimed(cache_dir, env):
     # FUSELAB_AUTOTUNE=0 times nothing: every candidate ties, and the kernel's heuristic comes first.
     calls = []
     tuner = _autotune.autotune(CONFIGS, key=["SIZE_KEY"], heuristic=CONFIGS[1], library=[_doubling(calls)])(_double_kernel)
+    timed = []
+    tuner._do_bench = lambda fn, quantiles: timed.append(fn) or [1.0] * 3  # replaced when the switch is read
     env.setenv("FUSELAB_AUTOTUNE", "0")
     settings.reload()
     _double(tuner, 100)
-    assert tuner.best_config is CONFIGS[1] and calls == []
+    assert tuner.best_config is CONFIGS[1] and calls == [] and timed == []
 
 
 def test_library_choices_are_distinct_keys():
@@ -303,9 +305,41 @@ def test_library_choices_are_distinct_keys():
     assert len({first: 1, second: 2, CONFIGS[0]: 3}) == 3 and first != second and first == first
 
 
-def test_library_choice_changes_the_fingerprint():
-    plain = _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"])
-    assert plain.fingerprint != _library_timed_tuner([], 1.0).fingerprint
+SWITCH = False
+
+
+def _switched_prune(configs, named_args, **kwargs):
+    return configs if SWITCH else configs[:1]
+
+
+def test_fingerprint_covers_library_choices_and_switches(monkeypatch):
+    # A choice stored for one version of the candidates must not serve another: adding a library choice,
+    # editing its call, or flipping a module constant that the pruning reads each retunes.
+    def fingerprint(prune=None, library=()):
+        return _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"], prune=prune,
+                                             library=library).fingerprint
+
+    doubling = _doubling([])
+    assert fingerprint() != fingerprint(library=[doubling])
+    edited = _autotune.LibraryChoice("torch.mul", lambda args: None, doubling.applies)  # same name, other call
+    assert fingerprint(library=[doubling]) != fingerprint(library=[edited])
+    before = fingerprint(prune=_switched_prune)
+    monkeypatch.setattr(sys.modules[__name__], "SWITCH", True)
+    assert fingerprint(prune=_switched_prune) != before
+
+
+def test_library_choice_names_are_unique():
+    with pytest.raises(ValueError, match="share a name"):
+        _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"], library=[_doubling([]), _doubling([])])
+
+
+def test_a_library_call_that_raises_is_not_chosen(cache_dir):
+    refusing = _autotune.LibraryChoice("refuses", lambda args: (_ for _ in ()).throw(RuntimeError("no")),
+                                       lambda args: True)
+    tuner = _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"], library=[refusing])
+    tuner._do_bench = lambda fn, quantiles: fn() or [1.0] * 3  # runs each candidate once
+    _double(tuner, 100)
+    assert tuner.best_config in CONFIGS
 
 
 def test_bucket():

@@ -690,7 +690,7 @@ def test_report_ratios_come_from_rows():
 
 def test_report_names_the_shapes_where_the_tuner_chose_a_library_call():
     res = Results("demo")
-    for shape, config in (("16x11008x4096", "cublas"), ("8192x8192x8192", "BLOCK_M: 128, BLOCK_N: 256")):
+    for shape, config in (("16x11008x4096", "cublas"), ("8192x8192x8192", "BLOCK_M: 128, BLOCK_N: 256, num_warps: 8")):
         _row(res, "fuselab", 1.0, metric="TFLOP/s", mode="eager", shape=shape, config=config)
     page = report.render_study(res, report.Spec("Demo", ""))
     section = page.split("### Where the tuner chose a library call")[1].split("###")[0]

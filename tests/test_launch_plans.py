@@ -189,18 +189,21 @@ def test_tested_triton_versions_are_declared_in_pyproject():
     assert tuple(declared) == runtime.LAUNCH_PLANS_TESTED_ON_TRITON
 
 
-def test_a_library_choice_is_planned_as_its_call(fresh_plans, monkeypatch):
-    # A GEMM the tuner gave to cuBLAS (CUBLAS) is planned as that call, even where planned
-    # kernel launches are off: no Triton launcher is involved. Only the tensors change between calls.
-    monkeypatch.setattr(runtime, "_plans_on", False)
+@pytest.mark.parametrize("plans_on", [None, False], ids=["first-plan", "kernel-plans-off"])
+def test_a_library_choice_is_planned_as_its_call(fresh_plans, monkeypatch, plans_on):
+    # A GEMM the tuner gave to cuBLAS (CUBLAS) is planned as that call, bias and ReLU included, also where
+    # planned kernel launches are off; no Triton launcher is involved, so a first plan that is a library
+    # call leaves the launcher's check for the first kernel. Only the tensors change between calls.
+    monkeypatch.setattr(runtime, "_plans_on", plans_on)
     kernel = matmul_relu_module.matmul_relu_kernel
-    a, b, c = torch.randn(9, 7), torch.randn(7, 5), torch.empty(9, 5)
-    flags = dict(HAS_BIAS=False, RELU=False, MASK_A=False, ROWSUM_A=False)
-    args = (a, b, c, None, None, None, 9, 5, 7)
+    a, b, c, bias = torch.randn(9, 7), torch.randn(7, 5), torch.empty(9, 5), torch.randn(5)
+    flags = dict(HAS_BIAS=True, RELU=True, MASK_A=False, ROWSUM_A=False)
+    args = (a, b, c, bias, None, None, 9, 5, 7)
     runtime._remember_plan("key", kernel, matmul_relu_module.CUBLAS, None, args, flags, None)
-    a2, b2, c2 = torch.randn(9, 7), torch.randn(7, 5), torch.full((9, 5), float("nan"))
-    assert runtime.launch_planned("key", a2, b2, c2)
-    assert torch.equal(c2, torch.mm(a2, b2))
+    assert runtime._plans_on is plans_on
+    a2, b2, c2, bias2 = torch.randn(9, 7), torch.randn(7, 5), torch.full((9, 5), float("nan")), torch.randn(5)
+    assert runtime.launch_planned("key", a2, b2, c2, bias2)
+    assert torch.equal(c2, torch.relu(torch.addmm(bias2, a2, b2)))
     (plan,) = runtime._PLANS.values()
-    assert plan.tensor_names == ["a_ptr", "b_ptr", "c_ptr"]
+    assert plan.tensor_names == ["a_ptr", "b_ptr", "c_ptr", "bias_ptr"]
     assert not any(isinstance(v, torch.Tensor) for v in plan.fixed.values())  # no tensor of the first call

@@ -111,6 +111,19 @@ def test_where_the_tuner_chose_cublas(device, dtype, b_layout, bias_layout, cubl
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_cublas_takes_inputs_that_require_grad(device, cublas_preferred):
+    # A direct _gemm call (the sweep's, a user's) with leaves that require grad while grad mode is on:
+    # the out= ops would refuse them; the call runs without recording a graph, as the kernel does.
+    a, b = randn(20, 12, dtype=torch.float32, device=device), randn(12, 9, dtype=torch.float32, device=device)
+    bias = torch.randn(9, device=device)
+    a.requires_grad_(True)
+    c = torch.empty(20, 9, device=device)
+    matmul_relu_module._gemm(a, b, c, bias=bias, relu=True)
+    assert str(cublas_preferred.best_config) == "cublas" and c.grad_fn is None
+    assert torch.equal(c, torch.relu(torch.addmm(bias, a.detach(), b)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_cublas_is_not_offered_where_the_mask_is_applied_on_load(device, cublas_preferred, monkeypatch):
     monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: True)
     monkeypatch.setattr(eager_path, "extension", None)
@@ -529,13 +542,15 @@ def test_tma_layout_check_runs_on_fake_tensors():
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    check = matmul_relu_module._tma_row_major
+    from fuselab.kernels._gemm_tiles import tma_layout as check
+
     with FakeTensorMode(), warnings.catch_warnings():
         warnings.simplefilter("error")
         base = torch.empty(64 * 40 + 8, dtype=torch.bfloat16)
         assert check(base[:64 * 40].view(64, 40)) is True
         assert check(base[:64 * 40].view(40, 64).t()) is False
         assert check(base[1:64 * 40 + 1].view(64, 40)) is None  # 2 bytes off a 16-byte boundary
+        assert check(base[:40].expand(64, 40)) is None  # a broadcast row: no descriptor can describe it
 
 
 def test_plan_key_separates_bias_layouts():

@@ -121,20 +121,38 @@ def jit_sources(kernel) -> List[str]:
     return [f"{name}\n{sources[name]}" for name in sorted(sources)]
 
 
-def tuning_fingerprint(kernel, configs: List[triton.Config], key: List[str],
-                       prune: Optional[Callable]) -> str:
+def _python_source(fn: Callable) -> str:
+    """A Python function's source and the values of the plain constants (bool, int, float, str) it reads
+    from its module: a switch such as ``TMA_ON_CUDA = False`` changes what it does without changing its
+    source."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):  # no source (a builtin, a lambda typed at a prompt): its name
+        return getattr(fn, "__qualname__", repr(fn))
+    scope = getattr(fn, "__globals__", {})
+    code = getattr(fn, "__code__", None)
+    constants = sorted((n, repr(scope[n])) for n in (_global_names(code) if code else ())
+                       if type(scope.get(n)) in (bool, int, float, str))
+    return source + repr(constants)
+
+
+def tuning_fingerprint(kernel, configs: List[triton.Config], key: List[str], prune: Optional[Callable],
+                       library: Sequence["LibraryChoice"] = ()) -> str:
     """A hash of what a tuned choice depends on besides GPU and Triton: see the module docstring."""
     digest = hashlib.sha256()
     for part in jit_sources(kernel):
         digest.update(part.encode())
     digest.update(repr([str(c) for c in configs]).encode())
     digest.update(repr(list(key)).encode())
-    if prune is not None:
-        try:
-            digest.update(inspect.getsource(prune).encode())
-        except (OSError, TypeError):  # no source (a builtin, a lambda typed at a prompt): its name
-            digest.update(getattr(prune, "__qualname__", repr(prune)).encode())
+    for fn in ([prune] if prune is not None else []) + [f for c in library for f in (c.call, c.applies)]:
+        digest.update(_python_source(fn).encode())
+    digest.update(repr([str(c) for c in library]).encode())
     return digest.hexdigest()[:16]
+
+
+def bound_args(arg_names: Sequence[str], args: tuple, kwargs: dict) -> dict:
+    """A launch's arguments by name: the positional ones zipped with the kernel's names, then the keywords."""
+    return {**dict(zip(arg_names, args)), **kwargs}
 
 
 _warned_corrupt: Set[Path] = set()
@@ -265,9 +283,11 @@ _UNWRITABLE: set = set()  # cache files a write failed on (warned about once)
 class LibraryChoice(triton.Config):
     """A tuning choice that computes a launch's result by a library call (cuBLAS through ``torch.addmm``,
     say) instead of the kernel: timed beside the kernel's configs where ``applies(args)`` holds for the
-    launch's named arguments, chosen only where it is faster, stored by ``name`` like a config.
+    launch's named arguments, chosen only where it is faster, stored by ``name`` like a config. A choice
+    is made once per tuning key, so ``applies`` must read only what the key holds (its flags, dtypes).
+    A call that raises while it is timed is not chosen (as a config that does not compile).
 
-    Eager tuning only: torch.compile tunes a traced kernel over its Triton ``configs`` alone."""
+    Eager launches only: inductor tunes a traced kernel over its Triton ``configs`` alone."""
 
     def __init__(self, name: str, call: Callable[[dict], None], applies: Callable[[dict], bool]):
         super().__init__({})
@@ -299,6 +319,9 @@ class PersistentAutotuner(Autotuner):
         self.cache_results = True  # route every new key through check_disk_cache below
         self.heuristic = heuristic
         self.library = list(library)
+        names = [str(c) for c in list(configs) + self.library]
+        if len(set(names)) != len(names):  # choices are stored by name
+            raise ValueError(f"{fn.__name__}: two tuning choices share a name: {sorted(names)}")
         self.tune: Optional[bool] = None  # decided at the first launch (FUSELAB_AUTOTUNE)
         self._tuned_over = (list(configs), list(key), prune)
         self._key_positions = [(name, fn.arg_names.index(name)) for name in key]
@@ -310,8 +333,7 @@ class PersistentAutotuner(Autotuner):
     def fingerprint(self) -> str:
         """``tuning_fingerprint`` of this kernel, computed when first needed: the helpers a kernel
         calls may be defined after it in its module."""
-        configs, key, prune = self._tuned_over
-        return tuning_fingerprint(self.fn, configs + self.library, key, prune)
+        return tuning_fingerprint(self.fn, *self._tuned_over, self.library)
 
     def shipped(self) -> Dict[str, str]:
         """The current GPU's shipped choices for this kernel (``shipped_choices``), read once per GPU name."""
@@ -346,7 +368,7 @@ class PersistentAutotuner(Autotuner):
             config = self._choose(key, args, kwargs)
         self.best_config = config
         if isinstance(config, LibraryChoice):
-            config.call(dict(zip(self.arg_names, args), **kwargs))
+            config.call(bound_args(self.arg_names, args, kwargs))
             return config
         meta = self._meta.get(id(config))
         if meta is None:
@@ -383,9 +405,21 @@ class PersistentAutotuner(Autotuner):
 
     def _bench(self, *args, config, **meta):
         if isinstance(config, LibraryChoice):
-            named = dict(zip(self.arg_names, args), **meta)
-            return self.do_bench(lambda: config.call(named), quantiles=(0.5, 0.2, 0.8))
+            named = bound_args(self.arg_names, args, meta)
+            try:
+                return self.do_bench(lambda: config.call(named), quantiles=(0.5, 0.2, 0.8))
+            except RuntimeError as e:  # the library refuses these operands: the kernel's configs remain
+                log.info("fuselab: %s: %s refused this launch (%s)", self.base_fn.__name__, config, e)
+                return [float("inf")] * 3
         return super()._bench(*args, config=config, **meta)
+
+    def warmup(self, *args, **kwargs):
+        """Triton's ahead-of-time compile of the pruned configs: library choices compile nothing."""
+        library, self.library = self.library, []
+        try:
+            return super().warmup(*args, **kwargs)
+        finally:
+            self.library = library
 
     def cache_file(self) -> Path:
         """Where this kernel's choices on the current GPU are stored."""

@@ -1,4 +1,4 @@
-"""What every fuselab GEMM kernel shares: the grouped tile order and the 64-bit offset check."""
+"""What every fuselab GEMM kernel shares: the grouped tile order, the 64-bit offset check, the TMA layouts."""
 from typing import Optional
 
 import torch
@@ -43,3 +43,17 @@ def tile_pointers(a_ptr, b_ptr, pid_m, pid_n, M, N, stride_am, stride_ak, stride
     a_ptrs = a_ptr + rm[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + rn[None, :] * stride_bn
     return offs_m, offs_n, offs_k, rm, rn, a_ptrs, b_ptrs
+
+
+def tma_layout(t: torch.Tensor) -> Optional[bool]:
+    """True/False if ``t`` (2-D) is row-/column-major with 16-byte aligned rows and base (a TMA
+    descriptor can describe it), else None (a broadcast or overlapping stride included)."""
+    es = t.element_size()
+    if t.storage_offset() * es % 16:  # not data_ptr(): this also runs on fake tensors while tracing
+        return None
+    s0, s1 = t.stride()
+    if s1 == 1 and s0 * es % 16 == 0 and s0 >= t.shape[1]:
+        return True
+    if s0 == 1 and s1 * es % 16 == 0 and s1 >= t.shape[0]:
+        return False
+    return None

@@ -10,7 +10,7 @@ import enum
 import functools
 import inspect
 import warnings
-from typing import Callable, Dict, Hashable, Optional, Tuple
+from typing import Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
 
@@ -156,7 +156,7 @@ _NORMAL_LAUNCH_CALL = ("kernel.run(grid_0,grid_1,grid_2,stream,kernel.function,k
                        "*bound_args.values())")
 _LAUNCHER_ATTRIBUTES = ("run", "function", "packed_metadata", "launch_metadata")
 
-_PLANS: Dict[Hashable, "_LaunchPlan"] = {}
+_PLANS: Dict[Hashable, Union["_LaunchPlan", "_LibraryPlan"]] = {}
 _MAX_PLANS = 4096
 _plans_on: Optional[bool] = None  # None until the first plan checks the launcher
 _plan_launched = False  # whether a planned launch has gone through the launcher yet
@@ -184,7 +184,7 @@ def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, dev
         _hand_to_cpp(plan, cpp_key)
 
 
-def _hand_to_cpp(plan: "_LaunchPlan", cpp_key: tuple) -> None:
+def _hand_to_cpp(plan: Union["_LaunchPlan", "_LibraryPlan"], cpp_key: tuple) -> None:
     """Register ``plan`` with the C++ eager path (once: it may decline, it is not asked again)."""
     from fuselab.kernels import eager_path
 
@@ -278,7 +278,9 @@ class _LibraryPlan:
     """A planned launch that a ``LibraryChoice`` serves: its call, with every argument fixed but the tensors."""
 
     def __init__(self, choice, kernel, args, kwargs):
-        named = dict(zip(getattr(kernel, "fn", kernel).arg_names, args), **kwargs)
+        from fuselab.kernels._autotune import bound_args
+
+        named = bound_args(getattr(kernel, "fn", kernel).arg_names, args, kwargs)
         self.choice = choice
         self.tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]  # in argument order
         self.fixed = {k: v for k, v in named.items() if not isinstance(v, torch.Tensor)}  # no tensor of the first call

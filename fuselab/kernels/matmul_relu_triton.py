@@ -28,7 +28,7 @@ import triton.language as tl
 
 from fuselab.kernels import eager_path
 from fuselab.kernels._autotune import LibraryChoice, autotune, bucket
-from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers
+from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers, tma_layout
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -88,6 +88,7 @@ def _cublas_applies(args: dict) -> bool:
     return not (args["MASK_A"] or args["ROWSUM_A"])
 
 
+@torch.no_grad()  # out= ops refuse inputs that require grad while grad mode is on (a direct _gemm call)
 def _cublas_gemm(args: dict) -> None:
     a, b, c = args["a_ptr"], args["b_ptr"], args["c_ptr"]
     if args["HAS_BIAS"]:
@@ -275,19 +276,6 @@ def _gemm_tma_persistent(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stri
 # ----------------------------------------------------------------------------------------------
 
 
-def _tma_row_major(t: torch.Tensor) -> Optional[bool]:
-    """True/False if ``t`` (2-D) is row-/column-major with 16-byte aligned rows and base, else None."""
-    es = t.element_size()
-    if t.storage_offset() * es % 16:  # not data_ptr(): this also runs on fake tensors while tracing
-        return None
-    s0, s1 = t.stride()
-    if s1 == 1 and s0 * es % 16 == 0 and s0 >= t.shape[1]:
-        return True
-    if s0 == 1 and s1 * es % 16 == 0 and s1 >= t.shape[0]:
-        return False
-    return None
-
-
 def _plan_key(a, b, c, bias, y, rowsum, relu) -> tuple:
     """Everything a launch of ``_gemm`` specializes on but the data: see ``launch_planned``."""
     return (a.get_device(), relu, torch.get_float32_matmul_precision(),
@@ -324,8 +312,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
             return
     tma_ok = False
     if has_tma(a.device) and y is None and rowsum is None and K > 0:
-        tma_ok = (_tma_row_major(a) is not None and _tma_row_major(b) is not None
-                  and _tma_row_major(c) is True)
+        tma_ok = (tma_layout(a) is not None and tma_layout(b) is not None
+                  and tma_layout(c) is True)
     precision = "tf32"
     if a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         precision = "ieee"
@@ -571,7 +559,9 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
     All three share one device and one dtype out of float16, bfloat16 and float32; the result
     has that dtype, accumulated in fp32 (fp32 inputs use tf32 unless
     ``torch.get_float32_matmul_precision() == "highest"``, the default, where a GPU runs cuBLAS's
-    SGEMM and a ReLU instead: see ``_runs_triton``). NaN propagates, the
+    SGEMM and a ReLU instead: see ``_runs_triton``). Where the eager tuner found cuBLAS faster than every
+    Triton config (``CUBLAS``), the accumulation is cuBLAS's, as in ``nn.Linear``: with torch's default
+    ``allow_bf16/fp16_reduced_precision_reduction``, split-K partial sums may be added in 16 bits. NaN propagates, the
     gradient at an output of exactly 0 is 0. Raises ValueError/TypeError naming the bad shapes,
     dtypes or devices. ``backend="cuda"`` runs the CUDA C++ reference instead (built on first use).
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
-from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers
+from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers, tma_layout
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -118,7 +118,7 @@ def scaled_gemm_kernel(
     if TMA:
         _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am,
                                     stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias, INT8,
-                                    SCALED, HAS_BIAS, RELU, NUM_SMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                    SCALED, HAS_BIAS, RELU, INT64, NUM_SMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                     EPILOGUE_SUBTILE)
     else:
         _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
@@ -168,7 +168,7 @@ def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M
 def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am,
                                 stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias,
                                 INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                RELU: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                RELU: tl.constexpr, INT64: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                 EPILOGUE_SUBTILE: tl.constexpr):
     # A row-major, B = a weight's transpose (K-major, as Hopper's 8-bit MMA reads both), C row-major:
@@ -195,6 +195,9 @@ def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, b
             # In-range indices (the store drops rows and columns past the edge), as the pointer body's.
             rm = (off_m + tl.arange(0, BLOCK_M)) % M
             rn = (off_n + tl.arange(0, BLOCK_N)) % N
+            if INT64:  # a scale or the bias may be a column of a huge matrix
+                rm = rm.to(tl.int64)
+                rn = rn.to(tl.int64)
             out = _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, stride_b_scale,
                             stride_bias, HAS_BIAS, RELU)
         else:
@@ -280,14 +283,7 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
 def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
     """The TMA body's layouts: a row-major, b column-major (a weight's transpose: both operands K-major,
     as Hopper's 8-bit MMA reads them), c row-major; every row and base 16-byte aligned; on Hopper."""
-    if not has_tma(a.device):
-        return False
-
-    def rows_aligned(t, row_stride):  # storage_offset, not data_ptr(): also on fake tensors
-        return t.storage_offset() * t.element_size() % 16 == 0 and row_stride * t.element_size() % 16 == 0
-
-    return (a.stride(1) == 1 and rows_aligned(a, a.stride(0)) and b.stride(0) == 1 and rows_aligned(b, b.stride(1))
-            and c.stride(1) == 1 and rows_aligned(c, c.stride(0)))
+    return has_tma(a.device) and tma_layout(a) is True and tma_layout(b) is False and tma_layout(c) is True
 
 
 # ----------------------------------------------------------------------------------------------

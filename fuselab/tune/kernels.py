@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import triton
 
-from fuselab.kernels._autotune import LibraryChoice
+from fuselab.kernels._autotune import LibraryChoice, bound_args
 from fuselab.tune.grid import Problem
 
 
@@ -62,7 +62,7 @@ class Launch:
 def run_config(tuner, args: tuple, kwargs: dict, config: triton.Config) -> None:
     """One launch with ``config`` past the tuner: the kernel, or a library choice's call."""
     if isinstance(config, LibraryChoice):
-        config.call(dict(zip(tuner.arg_names, args), **kwargs))
+        config.call(bound_args(tuner.arg_names, args, kwargs))
     else:
         tuner.fn.run(*args, **kwargs, **config.all_kwargs())
 

@@ -125,6 +125,7 @@ def _python_source(fn: Callable) -> str:
     """A Python function's source and the values of the plain constants (bool, int, float, str) it reads
     from its module: a switch such as ``TMA_ON_CUDA = False`` changes what it does without changing its
     source."""
+    fn = inspect.unwrap(fn)  # a decorated function (torch.no_grad()) as written, not the decorator's wrapper
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):  # no source (a builtin, a lambda typed at a prompt): its name

@@ -497,6 +497,44 @@ def test_export_save_and_load_in_a_fresh_process(tmp_path):
         torch.testing.assert_close(loaded, expected, rtol=2**-20, atol=2**-20 * expected.abs().max().item())
 
 
+_RUN_AOTI_PACKAGE = textwrap.dedent("""
+    import sys, torch  # no fuselab: the package holds the compiled Triton kernels it calls
+    assert "fuselab" not in sys.modules
+    for name in sys.argv[2:]:
+        runner = torch._inductor.aoti_load_package(f"{sys.argv[1]}/{name}.aoti.pt2")
+        x = torch.load(f"{sys.argv[1]}/{name}.x.pt")
+        with torch.no_grad():
+            torch.save(runner(x).cpu(), f"{sys.argv[1]}/{name}.aoti.out.pt")
+""")
+
+
+@pytest.mark.gpu
+def test_aoti_package_runs_in_a_process_without_fuselab(tmp_path):
+    # The CUDA model's deployment: torch.export, then an AOTInductor package (compiled kernels and their
+    # C++ launcher, fuselab's Triton kernels included); a process that never imports fuselab runs it.
+    names, outputs = ["int8-dynamic", "fp8"], {}
+    for name in names:
+        if name == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+            names.remove(name)
+            continue
+        model, x = _mlp(), torch.randn(7, 24)
+        model, x = model.cuda().to(torch.bfloat16), x.cuda().to(torch.bfloat16)
+        quantize_(model, _config(name, model, x))
+        ep = torch.export.export(model, (x,))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / f"{name}.aoti.pt2"))
+        torch.save(x, tmp_path / f"{name}.x.pt")
+        with torch.no_grad():
+            outputs[name] = model(x).float().cpu()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", _RUN_AOTI_PACKAGE, str(tmp_path), *names], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in names:
+        loaded = torch.load(tmp_path / f"{name}.aoti.out.pt").float()
+        expected = outputs[name]  # the same kernels may differ in their tiles only: a few bf16 roundings
+        torch.testing.assert_close(loaded, expected, rtol=2**-6, atol=2**-6 * expected.abs().max().item())
+
+
 # ----------------------------------------------------------------------------------------------
 # quantize_: every config, FusedLinearReLU, the report, sizes
 # ----------------------------------------------------------------------------------------------

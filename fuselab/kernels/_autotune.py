@@ -3,7 +3,8 @@
 A user's second process must not retune: the best config for each tuning key is stored in
 ``<FUSELAB_CACHE_DIR>/autotune/<gpu>/triton-<version>/<kernel>-<fingerprint>.json``. The fingerprint
 hashes what a choice was made among: the kernel's source and that of every ``@triton.jit`` function
-it calls, the configs, the pruning rule and the tuning key's names. Editing any of them retunes.
+it calls, the configs, the pruning rule, the library choices (``LibraryChoice``: a library call timed
+beside the configs, cuBLAS say) and the tuning key's names. Editing any of them retunes.
 Everything is read at first use: the cache directory and GPU name when a tuning key is first seen
 (``import fuselab`` reads neither and does not initialize CUDA), ``FUSELAB_AUTOTUNE`` at each
 kernel's first launch. ``FUSELAB_AUTOTUNE=0`` times nothing: each launch takes the kernel's heuristic config,

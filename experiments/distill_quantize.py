@@ -39,7 +39,8 @@ Study ``distill_quantize`` (long format, ``experiments/harness.py``), rows:
                            ``torch.compile`` and the INT8 student
   op ``gpu latency: <m>``  metric ``ms``; mode ``eager`` (do_bench) and ``graph`` (CUDA graph replay)
 Providers: ``teacher``, ``scratch resnet18``, ``distilled resnet18``, ``distilled resnet18 int8 (cpu, pt2e)``,
-``distilled resnet18 int8 dynamic (gpu)``, ``... int8 static (gpu)``, ``... fp8 (gpu)``, and the same
+``distilled resnet18 int8 dynamic (gpu)`` (Linear layers), ``... int8 dynamic+conv (gpu)`` (convolutions
+too: Int8Conv2d), ``... int8 static (gpu)``, ``... fp8 (gpu)``, and the same
 for ``cnn``. Every row of a model variant carries ``model``: the provider whose accuracy it has.
 
 Besides the JSON: ``<out>.md`` (one table: accuracy mean and spread, size, latencies, and whether the
@@ -342,9 +343,10 @@ def has_torchao() -> bool:
 
 
 def fuselab_quantize(model: nn.Module, kind: str, calib: List[torch.Tensor]) -> nn.Module:
-    """A copy of ``model`` through ``fuselab.quant.quantize_`` (``kind`` int8 dynamic / int8 static /
-    fp8), its Linear -> ReLU pairs first fused by ``fuse_linear_relu`` (the ReLU then runs in the
-    GEMM's epilogue); the report, with each layer's error on the calibration batches, is printed."""
+    """A copy of ``model`` through ``fuselab.quant.quantize_`` (``kind`` int8 dynamic, int8 dynamic+conv
+    (convolutions too), int8 static or fp8), its Linear -> ReLU pairs first fused by ``fuse_linear_relu``
+    (the ReLU then runs in the GEMM's epilogue); the report, with each layer's error on the calibration
+    batches, is printed."""
     from fuselab import quant
     from fuselab.nn import fuse_linear_relu
 
@@ -353,6 +355,8 @@ def fuselab_quantize(model: nn.Module, kind: str, calib: List[torch.Tensor]) -> 
     model, fused = fuse_linear_relu(model)
     if kind == "int8 static":
         config = quant.Int8StaticActivationInt8WeightConfig(act_scales=calibration.act_scales())
+    elif kind == "int8 dynamic+conv":  # the convolutions too (Int8Conv2d): a conv net's weights are mostly theirs
+        config = quant.Int8DynamicActivationInt8WeightConfig(conv2d=True)
     else:
         config = {"int8 dynamic": quant.Int8DynamicActivationInt8WeightConfig,
                   "fp8": quant.Float8RowwiseConfig}[kind]()
@@ -675,7 +679,7 @@ def gpu_stage(args, study: Study, students, teacher, data: Data, calib, fp8: boo
     """fuselab's INT8 (and FP8) students on the GPU: accuracy per seed, size, latency eager and graph.
     (``dev`` and ``modes`` let a test run the same steps on a CPU.)"""
     timing = dict(rep_ms=min(args.rep_ms, 200.0))
-    kinds = [] if args.skip_quant else ["int8 dynamic", "int8 static"] + (["fp8"] if fp8 else [])
+    kinds = [] if args.skip_quant else ["int8 dynamic", "int8 dynamic+conv", "int8 static"] + (["fp8"] if fp8 else [])
     calib = [c.to(dev) for c in calib]
     for provider, by_seed in students.items():
         arch = provider.split()[-1]

@@ -115,7 +115,8 @@ def test_tiny_run_on_a_gpu(fake_fmnist, sandbox):
     dq.main(["--tiny", "--device", "cuda", "--data", str(fake_fmnist), "--out", str(out)])
     res = Results.load(out)
     assert not res.failed, res.failed
-    kinds = ["int8 dynamic", "int8 static"] + (["fp8"] if torch.cuda.get_device_capability() >= (8, 9) else [])
+    kinds = ["int8 dynamic", "int8 dynamic+conv", "int8 static"] + (
+        ["fp8"] if torch.cuda.get_device_capability() >= (8, 9) else [])
     for arch in ("resnet18", "cnn"):
         for prov in [f"distilled {arch}"] + [f"distilled {arch} {k} (gpu)" for k in kinds]:
             assert res.select(op="accuracy", provider=prov, shape="seed 1")

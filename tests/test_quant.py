@@ -23,6 +23,7 @@ from fuselab.quant import (
     DistillationLoss,
     Float8Linear,
     Float8RowwiseConfig,
+    Int8Conv2d,
     Int8DynamicActivationInt8WeightConfig,
     Int8Linear,
     Int8StaticActivationInt8WeightConfig,
@@ -596,7 +597,7 @@ def test_report_says_what_was_replaced_and_why_the_rest_was_not():
     assert "NonDynamicallyQuantizableLinear" in report.skipped["attn.out_proj"]
     assert type(model["sub"]) is Sub and type(model["attn"].out_proj) is not Int8Linear
     text = str(report)
-    assert "quantized 3 Linear with Int8DynamicActivationInt8WeightConfig; left 5 alone" in text
+    assert "quantized 3 layers with Int8DynamicActivationInt8WeightConfig; left 5 alone" in text
     assert "skipped  vetoed: vetoed by filter_fn" in text
 
 
@@ -637,6 +638,57 @@ def test_int8_state_dict_is_3_9x_smaller(config):
     assert before == 2 * (512 * 512 + 512) * 4
     assert after == 2 * (512 * 512 + 512 * 4 + 512 * 4) + (8 if config == "int8-static" else 0)
     assert before / after >= 3.9
+
+
+def _conv_net():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.ReLU(),
+                         nn.Conv2d(32, 32, 3, padding=2, dilation=2, groups=4), nn.ReLU(),
+                         nn.Conv2d(32, 32, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [dict(kernel_size=3, padding=1), dict(kernel_size=(3, 1), stride=(2, 1)),
+                                   dict(kernel_size=3, padding=2, dilation=2, bias=False), dict(kernel_size=1)],
+                         ids=["3x3-pad", "3x1-stride", "dilated-nobias", "1x1"])
+def test_int8_conv2d_against_the_float_conv(device, shape):
+    # Int8Conv2d's output against F.conv2d in float64, within the quantization bound of its GEMM on the
+    # unfolded input (each output position is one token: im2col).
+    conv = nn.Conv2d(6, 10, **shape).to(device)
+    x = torch.randn(2, 6, 9, 8, device=device)
+    layer = Int8Conv2d.from_float(conv)
+    with torch.no_grad():
+        y = layer(x)
+    ref = F.conv2d(x.double(), conv.weight.double(), None if conv.bias is None else conv.bias.double(), conv.stride,
+                   conv.padding, conv.dilation)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    rows = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2)
+    rows = rows.reshape(-1, rows.shape[-1])
+    bound = quantization_bound(rows, conv.weight.reshape(10, -1), layer, "int8")
+    assert_close(y.permute(0, 2, 3, 1).reshape(-1, 10), ref.permute(0, 2, 3, 1).reshape(-1, 10), bound, "Int8Conv2d")
+    with pytest.raises(ValueError, match=r"\(N, 6, H, W\)"):
+        layer(x[:, :5])
+
+
+def test_quantize_conv_net_with_conv2d():
+    # conv2d=True replaces the plain convolutions (the grouped one is left, with the reason); the output
+    # stays close to the float model's and the state_dict shrinks by nearly 4x; the default leaves convs.
+    model, x = _conv_net(), torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        ref = model(x)
+    before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    untouched = _conv_net()
+    assert list(quantize_(untouched, Int8DynamicActivationInt8WeightConfig()).replaced) == ["10"]
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig(conv2d=True))
+    assert list(report.replaced) == ["0", "3", "7", "10"] and report.replaced["0"] == "Int8Conv2d"
+    assert "grouped convolution (groups=4)" in report.skipped["5"]
+    with torch.no_grad():
+        out = model(x)
+    assert (out - ref).norm() / ref.norm() < 0.05
+    after = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    # each replaced layer: 1 byte a weight instead of 4, plus a 4-byte scale per output channel
+    weights = {name: m.weight for name, m in _conv_net().named_modules() if name in report.replaced}
+    assert before - after == sum(3 * w.numel() - 4 * w.shape[0] for w in weights.values())
 
 
 def test_state_dict_round_trip():

@@ -13,7 +13,7 @@ from fuselab.quant.config import (
 from fuselab.quant.distill import DistillationLoss
 from fuselab.quant.fp8_gemm import fp8_matmul
 from fuselab.quant.int8_gemm import int8_matmul
-from fuselab.quant.modules import Float8Linear, Int8Linear
+from fuselab.quant.modules import Float8Linear, Int8Conv2d, Int8Linear
 from fuselab.quant.pt2e import quantize_pt2e_x86
 from fuselab.quant.quantize import (
            Calibration,
@@ -26,7 +26,7 @@ from fuselab.quant.quantize import (
 from fuselab.quant.rowwise import quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
 
 __all__ = ["Calibration", "DistillationLoss", "Float8Linear", "Float8RowwiseConfig",
-           "Int8DynamicActivationInt8WeightConfig", "Int8Linear", "Int8StaticActivationInt8WeightConfig",
+           "Int8Conv2d", "Int8DynamicActivationInt8WeightConfig", "Int8Linear", "Int8StaticActivationInt8WeightConfig",
            "QuantizationReport", "calibrate", "fp8_matmul", "int8_matmul", "quantize_", "quantize_fp8_rowwise",
            "quantize_int8_rowwise", "quantize_int8_static", "quantize_pt2e_x86", "register_quantize_module_handler",
            "relative_error"]

@@ -12,7 +12,13 @@ from typing import Mapping
 @dataclass(frozen=True)
 class Int8DynamicActivationInt8WeightConfig:
     """W8A8: int8 weights with one symmetric scale per output channel (absmax / 127); activations
-    quantized to int8 at run time with one symmetric scale per token (row), from that row's absmax."""
+    quantized to int8 at run time with one symmetric scale per token (row), from that row's absmax.
+
+    ``conv2d=True`` also replaces ``nn.Conv2d`` layers (``Int8Conv2d``: the input unfolded into patches,
+    one per output position, each quantized as a token, then the same int8 GEMM), for conv nets whose
+    weights are mostly convolutions; off by default, as torchao's configs replace Linear layers only."""
+
+    conv2d: bool = False
 
 
 @dataclass(frozen=True)

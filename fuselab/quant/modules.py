@@ -1,4 +1,4 @@
-"""Quantized drop-ins for ``nn.Linear`` and ``FusedLinearReLU``, made by ``quantize_``.
+"""Quantized drop-ins for ``nn.Linear``, ``FusedLinearReLU`` and ``nn.Conv2d``, made by ``quantize_``.
 
 Each holds its weight quantized per output channel and quantizes its input on every call, then runs
 one GEMM whose epilogue applies both scales, the bias and (for a FusedLinearReLU) the ReLU. The
@@ -6,9 +6,10 @@ output has the input's dtype (autocast's under autocast). Inference only: the te
 and no gradient flows through a quantized layer. State-dict keys: ``weight`` (the quantized
 weight), ``weight_scale``, ``bias`` and, for static activations, ``act_scale``.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
@@ -101,3 +102,43 @@ class Float8Linear(_QuantizedLinear):
         out_dtype = _output_dtype(x)
         xq, x_scale = quantize_fp8_rowwise(x)
         return fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
+
+
+class Int8Conv2d(_QuantizedLinear):
+    """``nn.Conv2d`` (groups 1, zero padding) with W8A8: the input unfolded into one row of C*kh*kw
+    values per output position (im2col), each row quantized per token at run time, then the int8 GEMM
+    with its epilogue against the weight (O, C*kh*kw), quantized per output channel. The output is
+    laid out channels-last (N, O, H', W'), as the GEMM writes it."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: Tuple[int, int], stride: Tuple[int, int],
+                 padding: Tuple[int, int], dilation: Tuple[int, int], bias: bool = True, device=None):
+        super().__init__(in_channels * kernel_size[0] * kernel_size[1], out_channels, bias, False, torch.int8,
+                         device=device)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.padding, self.dilation = kernel_size, stride, padding, dilation
+        self.act_scale = None  # dynamic activations only (as Int8Linear without a static scale)
+
+    @classmethod
+    def from_float(cls, conv: nn.Conv2d) -> "Int8Conv2d":
+        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                    conv.bias is not None, device=conv.weight.device)
+        layer.weight, layer.weight_scale = quantize_int8_rowwise(conv.weight.reshape(conv.out_channels, -1))
+        layer.bias = None if conv.bias is None else conv.bias.detach().clone()
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"Int8Conv2d takes (N, {self.in_channels}, H, W) inputs, got {tuple(x.shape)}")
+        out_dtype = _output_dtype(x)
+        n, _, h, w = x.shape
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self.padding, self.dilation
+        ho, wo = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        patches = F.unfold(x, self.kernel_size, self.dilation, self.padding, self.stride)  # (N, C*kh*kw, H'*W')
+        rows = patches.transpose(1, 2).reshape(n * ho * wo, self.in_features)
+        xq, x_scale = quantize_int8_rowwise(rows)
+        y = int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, False, out_dtype)
+        return y.view(n, ho, wo, self.out_channels).permute(0, 3, 1, 2)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, bias={self.bias is not None}")

@@ -25,7 +25,7 @@ from fuselab.quant.config import (
     Int8StaticActivationInt8WeightConfig,
 )
 from fuselab.quant.fp8_gemm import check_fp8_device
-from fuselab.quant.modules import Float8Linear, Int8Linear
+from fuselab.quant.modules import Float8Linear, Int8Conv2d, Int8Linear
 from fuselab.quant.rowwise import INT8_QMAX
 
 # ----------------------------------------------------------------------------------------------
@@ -59,6 +59,8 @@ def register_quantize_module_handler(config_type: type, why_not: Callable = _no_
 
 @register_quantize_module_handler(Int8DynamicActivationInt8WeightConfig)
 def _int8_dynamic(layer, relu, name, config):
+    if isinstance(layer, nn.Conv2d):  # only offered with conv2d=True (_replaced_types)
+        return Int8Conv2d.from_float(layer)
     return Int8Linear.from_float(layer, relu=relu)
 
 
@@ -204,7 +206,7 @@ class QuantizationReport:
     errors: Dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"quantized {len(self.replaced)} Linear with {type(self.config).__name__}; "
+        lines = [f"quantized {len(self.replaced)} layers with {type(self.config).__name__}; "
                  f"left {len(self.skipped)} alone"]
         for name, what in self.replaced.items():
             error = f"  relative error {self.errors[name]:.2e}" if name in self.errors else ""
@@ -230,12 +232,17 @@ def relative_error(float_layer: nn.Module, quantized_layer: nn.Module, x: torch.
 _REPLACED = (nn.Linear, FusedLinearReLU)  # exactly these types: a subclass's forward may compute something else
 
 
-def _why_not_quantized(layer: nn.Linear) -> Optional[str]:
+def _replaced_types(config: Any) -> Tuple[type, ...]:
+    """The layer types ``config`` replaces: Linear (and FusedLinearReLU), and Conv2d where it asks for them."""
+    return _REPLACED + ((nn.Conv2d,) if getattr(config, "conv2d", False) else ())
+
+
+def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED) -> Optional[str]:
     """Why a swap of ``layer`` would not compute what the config specifies (None: it would)."""
-    if type(layer) not in _REPLACED:
+    if type(layer) not in replaced:
         cls = type(layer)
-        return (f"a {cls.__module__}.{cls.__qualname__}, not exactly nn.Linear or FusedLinearReLU "
-                "(its forward may differ)")
+        names = " or ".join(("nn." if t.__module__.startswith("torch.nn") else "") + t.__name__ for t in replaced)
+        return f"a {cls.__module__}.{cls.__qualname__}, not exactly {names} (its forward may differ)"
     why = why_not_swapped(layer)
     if why is not None:
         return why
@@ -244,17 +251,25 @@ def _why_not_quantized(layer: nn.Linear) -> Optional[str]:
         return f"{weight.dtype}: the quantized layers take float32, float16 and bfloat16 models"
     if weight.device.type not in ("cpu", "cuda"):
         return f"on the {weight.device.type} device: the quantized GEMMs run on cpu and cuda"
+    if isinstance(layer, nn.Conv2d):
+        if layer.groups != 1:
+            return f"a grouped convolution (groups={layer.groups}): Int8Conv2d computes groups=1 only"
+        if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
+            return (f"padding {layer.padding!r}, mode {layer.padding_mode!r}: Int8Conv2d pads with zeros by "
+                    "explicit amounts")
+        return None
     if layer.in_features == 0 or layer.out_features == 0:
         return "has no input or no output features"
     return None
 
 
-def _linear_sites(model: nn.Module) -> Dict[int, Tuple[str, nn.Linear, List[Tuple[nn.Module, str]]]]:
-    """Every Linear module under ``model`` (not ``model`` itself): id -> (first name, layer, [(parent, key)])."""
-    sites: Dict[int, Tuple[str, nn.Linear, List[Tuple[nn.Module, str]]]] = {}
+def _layer_sites(model: nn.Module, types: Tuple[type, ...] = (nn.Linear,)
+                 ) -> Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]]:
+    """Every module of ``types`` under ``model`` (not ``model`` itself): id -> (first name, layer, [(parent, key)])."""
+    sites: Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]] = {}
     for parent_name, parent in model.named_modules(remove_duplicate=False):
         for key, child in parent._modules.items():
-            if isinstance(child, nn.Linear):
+            if isinstance(child, types):
                 name = f"{parent_name}.{key}" if parent_name else key
                 sites.setdefault(id(child), (name, child, []))[2].append((parent, key))
     return sites
@@ -262,7 +277,8 @@ def _linear_sites(model: nn.Module) -> Dict[int, Tuple[str, nn.Linear, List[Tupl
 
 def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[str, nn.Module], bool]] = None,
               calibration: Optional[Calibration] = None) -> QuantizationReport:
-    """Replace ``model``'s ``nn.Linear`` and ``FusedLinearReLU`` layers with quantized ones, in place.
+    """Replace ``model``'s ``nn.Linear`` and ``FusedLinearReLU`` layers (and ``nn.Conv2d`` where the
+    config says ``conv2d=True``) with quantized ones, in place.
 
     ``config``: an ``Int8DynamicActivationInt8WeightConfig``, ``Int8StaticActivationInt8WeightConfig``
     or ``Float8RowwiseConfig`` (or a type registered with ``register_quantize_module_handler``).
@@ -279,8 +295,9 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
         raise TypeError(f"no quantize_ handler for {type(config).__name__}; known configs: {known}")
     report = QuantizationReport(config=config)
     planned = []
-    for name, layer, parents in _linear_sites(model).values():
-        why = _why_not_quantized(layer) or handler.why_not(layer, name, config)
+    replaced = _replaced_types(config)
+    for name, layer, parents in _layer_sites(model, (nn.Linear,) + replaced[len(_REPLACED):]).values():
+        why = _why_not_quantized(layer, replaced) or handler.why_not(layer, name, config)
         if why is None and filter_fn is not None and not filter_fn(name, layer):
             why = "vetoed by filter_fn"
         if why is not None:

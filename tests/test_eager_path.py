@@ -1,5 +1,6 @@
 """The C++ eager path (fuselab.kernels.eager_path): built here with the C++ compiler alone; its launch
-plans keyed by layout, its packing of Triton's arguments, and the entry points that try it first. Its
+plans keyed by layout, its packing of Triton's arguments, the entry points that try it first, and its
+autograd node on CPU tensors (each GEMM then served by the interpreter through the Python fallback). Its
 launches run on the GPU (the ``gpu`` tests below): each result must equal the Python path's bit for bit.
 """
 import importlib
@@ -97,6 +98,46 @@ def test_a_library_plan_runs_cublas_through_aten(ext, monkeypatch):
     with pytest.raises(RuntimeError, match="unknown library call"):
         ext.register_library_plan(plain, [a, b, c, None, None, None], 7)
     ext.clear_plans()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["linear-3d", "matmul-nobias", "linear-strided-bias"])
+def test_cpp_autograd_node_on_a_cpu(ext, dtype, layout):
+    # The C++ forward and backward (the autograd node: saved tensors, which gradients are asked for,
+    # weight.t() for a Linear, threshold_backward, the bias sum) on CPU tensors, each GEMM served by the
+    # Python fallback (the interpreter's kernel): values and gradients against float64.
+    from reference import check_forward_backward
+
+    ext.set_gemm_fallback(importlib.import_module("fuselab.kernels.matmul_relu_triton")._gemm)
+    linear = layout.startswith("linear")
+    x = randn(2, 5, 24, dtype=dtype, device="cpu") if "3d" in layout else randn(9, 24, dtype=dtype, device="cpu")
+    w = randn(16, 24, dtype=dtype, device="cpu")
+    bias = None if "nobias" in layout else randn(16, dtype=dtype, device="cpu")
+    if "strided" in layout:
+        bias = randn(32, dtype=dtype, device="cpu")[::2]
+
+    def op(a, b, bias):  # check_forward_backward passes b as (K, N): a Linear's weight is its transpose
+        y = ext.matmul_relu(a, b.t() if linear else b, bias, linear, False, False)
+        assert y is not None and "MatmulReLU" in y.grad_fn.name()
+        return y
+
+    check_forward_backward(x, w.t().detach().clone() if not linear else w.t(), bias, dtype, op=op)
+    assert ext.matmul_relu(x, w, bias, linear, False) is None  # the default: CUDA only
+
+
+@pytest.mark.slow
+def test_cpp_autograd_node_double_backward_and_partial_grads_on_a_cpu(ext):
+    ext.set_gemm_fallback(importlib.import_module("fuselab.kernels.matmul_relu_triton")._gemm)
+    x = randn(7, 12, dtype=torch.float16, device="cpu").requires_grad_(True)
+    w, b = randn(10, 12, dtype=torch.float16, device="cpu"), randn(10, dtype=torch.float16, device="cpu")
+    y = ext.matmul_relu(x, w, b, True, False, False)  # only x requires grad: one GEMM in the backward
+    (gx,) = torch.autograd.grad(y.float().square().sum(), x, create_graph=True)  # PyTorch's ops: a graph
+    ref = torch.relu(torch.nn.functional.linear(x.detach().double(), w.double(), b.double()))
+    torch.testing.assert_close(y.double(), ref, rtol=2**-9, atol=2**-9)
+    assert gx.requires_grad and x.grad is None
+    (ggx,) = torch.autograd.grad(gx.float().sum(), x)
+    assert ggx.shape == x.shape and torch.isfinite(ggx).all()
 
 
 def _plan(signature, values, slots, **metadata):

@@ -269,7 +269,10 @@ Tensor autocast(const Tensor& t, bool cast, at::ScalarType dtype) {
   return cast && t.defined() && t.is_floating_point() && t.scalar_type() != at::kDouble ? t.to(dtype) : t;
 }
 
-py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, bool linear, bool autocast_like_linear) {
+// cuda_only=false: CPU tensors too, each GEMM then served by the Python fallback (the Triton interpreter in
+// the CPU tests, which check this node's forward and backward there).
+py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, bool linear, bool autocast_like_linear,
+                       bool cuda_only) {
   const Tensor* a_ptr = plain_tensor(a_obj);
   const Tensor* w_ptr = plain_tensor(w_obj);
   const Tensor* bias_ptr = bias_obj.is_none() ? nullptr : plain_tensor(bias_obj);
@@ -284,7 +287,7 @@ py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, 
   Tensor w = autocast(*w_ptr, cast && w_ptr->is_cuda(), autocast_dtype);
   Tensor bias = bias_ptr ? autocast(*bias_ptr, cast && bias_ptr->is_cuda(), autocast_dtype) : Tensor();
   auto dtype = a.scalar_type();
-  if (!a.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) return py::none();
+  if ((cuda_only && !a.is_cuda()) || (dtype != at::kBFloat16 && dtype != at::kHalf)) return py::none();
   for (const Tensor* t : {&a, &w, &bias}) {
     if (!t->defined()) continue;
     if (t->scalar_type() != dtype || t->device() != a.device() || t->layout() != at::kStrided || transformed(*t)) {
@@ -352,7 +355,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   parameter_type = reinterpret_cast<PyTypeObject*>(py::module::import("torch.nn").attr("Parameter").ptr());
   m.attr("GEMM_KIND") = kGemmKind;
   m.def("matmul_relu", &matmul_relu, py::arg("a"), py::arg("weight"), py::arg("bias"), py::arg("linear"),
-        py::arg("autocast"));
+        py::arg("autocast"), py::arg("cuda_only") = true);
   m.attr("LIBRARY_CALLS") = py::dict(py::arg("cublas") = kLibraryCublas);
   m.def("register_plan", &register_plan);
   m.def("register_library_plan", &register_library_plan);

@@ -122,22 +122,29 @@ def test_cpp_autograd_node_on_a_cpu(ext, dtype, layout):
         assert y is not None and "MatmulReLU" in y.grad_fn.name()
         return y
 
-    check_forward_backward(x, w.t().detach().clone() if not linear else w.t(), bias, dtype, op=op)
-    assert ext.matmul_relu(x, w, bias, linear, False) is None  # the default: CUDA only
+    b = w.t() if linear else w.t().detach().clone()  # (K, N)
+    check_forward_backward(x, b, bias, dtype, op=op)
+    assert ext.matmul_relu(x, b.t() if linear else b, bias, linear, False, False) is not None  # fits on a CPU...
+    assert ext.matmul_relu(x, b.t() if linear else b, bias, linear, False) is None  # ...but the default is CUDA only
 
 
 @pytest.mark.slow
 def test_cpp_autograd_node_double_backward_and_partial_grads_on_a_cpu(ext):
+    # Only x requires grad; create_graph=True makes the node's backward PyTorch's differentiable ops (with
+    # torch.relu's mask), whose result is checked, then differentiated again (the fallback GEMMs run there).
     ext.set_gemm_fallback(importlib.import_module("fuselab.kernels.matmul_relu_triton")._gemm)
     x = randn(7, 12, dtype=torch.float16, device="cpu").requires_grad_(True)
     w, b = randn(10, 12, dtype=torch.float16, device="cpu"), randn(10, dtype=torch.float16, device="cpu")
-    y = ext.matmul_relu(x, w, b, True, False, False)  # only x requires grad: one GEMM in the backward
-    (gx,) = torch.autograd.grad(y.float().square().sum(), x, create_graph=True)  # PyTorch's ops: a graph
+    dy = randn(7, 10, dtype=torch.float16, device="cpu")  # not a function of y: the mask must matter
+    y = ext.matmul_relu(x, w, b, True, False, False)
     ref = torch.relu(torch.nn.functional.linear(x.detach().double(), w.double(), b.double()))
     torch.testing.assert_close(y.double(), ref, rtol=2**-9, atol=2**-9)
+    (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    mask = (y.detach() > 0).double()
+    torch.testing.assert_close(gx.double(), (dy.double() * mask) @ w.double(), rtol=2**-8, atol=2**-8)
     assert gx.requires_grad and x.grad is None
-    (ggx,) = torch.autograd.grad(gx.float().sum(), x)
-    assert ggx.shape == x.shape and torch.isfinite(ggx).all()
+    (ggx,) = torch.autograd.grad((gx.float() ** 2).sum(), x)  # gx does not depend on x but through the mask
+    assert torch.equal(ggx, torch.zeros_like(x))
 
 
 def _plan(signature, values, slots, **metadata):

@@ -101,7 +101,7 @@ def quantization_bound(x, w, layer, kind):
     rounding is added on top."""
     x64, w64 = x.double(), w.double()
     quantize = quantize_int8_rowwise if kind == "int8" else quantize_fp8_rowwise
-    if kind == "int8" and layer.act_scale is not None:
+    if kind == "int8" and getattr(layer, "act_scale", None) is not None:
         s_x = layer.act_scale.double().expand(x.shape[0])
         x_hat = torch.round(x.float() / layer.act_scale).clamp(-127, 127).double() * layer.act_scale.double()
     else:
@@ -597,7 +597,7 @@ def test_report_says_what_was_replaced_and_why_the_rest_was_not():
     assert "NonDynamicallyQuantizableLinear" in report.skipped["attn.out_proj"]
     assert type(model["sub"]) is Sub and type(model["attn"].out_proj) is not Int8Linear
     text = str(report)
-    assert "quantized 3 layers with Int8DynamicActivationInt8WeightConfig; left 5 alone" in text
+    assert "quantized 3 layer(s) with Int8DynamicActivationInt8WeightConfig; left 5 alone" in text
     assert "skipped  vetoed: vetoed by filter_fn" in text
 
 
@@ -644,24 +644,31 @@ def _conv_net():
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                          nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.ReLU(),
                          nn.Conv2d(32, 32, 3, padding=2, dilation=2, groups=4), nn.ReLU(),
-                         nn.Conv2d(32, 32, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+                         nn.Conv2d(32, 32, 3, padding=1, padding_mode="reflect"), nn.Conv2d(32, 32, 3, padding="same"),
+                         nn.Conv2d(32, 32, 1, padding="valid"), nn.Identity(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [dict(kernel_size=3, padding=1), dict(kernel_size=(3, 1), stride=(2, 1)),
                                    dict(kernel_size=3, padding=2, dilation=2, bias=False), dict(kernel_size=1)],
                          ids=["3x3-pad", "3x1-stride", "dilated-nobias", "1x1"])
-def test_int8_conv2d_against_the_float_conv(device, shape):
+@pytest.mark.parametrize("dtype,channels_last", [(torch.float32, False), (torch.float16, True), (torch.bfloat16, False)],
+                         ids=["fp32", "fp16-channels-last", "bf16"])
+def test_int8_conv2d_against_the_float_conv(device, shape, dtype, channels_last):
     # Int8Conv2d's output against F.conv2d in float64, within the quantization bound of its GEMM on the
-    # unfolded input (each output position is one token: im2col).
-    conv = nn.Conv2d(6, 10, **shape).to(device)
-    x = torch.randn(2, 6, 9, 8, device=device)
+    # unfolded input (each output position is one token: im2col); the float conv's dtype and memory format.
+    conv = nn.Conv2d(6, 10, **shape).to(device, dtype)
+    x = torch.randn(2, 6, 9, 8, device=device, dtype=dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
     layer = Int8Conv2d.from_float(conv)
     with torch.no_grad():
         y = layer(x)
     ref = F.conv2d(x.double(), conv.weight.double(), None if conv.bias is None else conv.bias.double(), conv.stride,
                    conv.padding, conv.dilation)
-    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert y.shape == ref.shape and y.dtype == dtype
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     rows = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2)
     rows = rows.reshape(-1, rows.shape[-1])
     bound = quantization_bound(rows, conv.weight.reshape(10, -1), layer, "int8")
@@ -670,18 +677,36 @@ def test_int8_conv2d_against_the_float_conv(device, shape):
         layer(x[:, :5])
 
 
+@pytest.mark.parametrize("args,kwargs,words", [((4, 4, 3), dict(groups=2), "grouped"),
+                                               ((4, 4, 3), dict(padding=1, padding_mode="reflect"), "'reflect'"),
+                                               ((4, 4, 3), dict(padding="same"), "'same'"),
+                                               ((4, 0, 3), {}, "no input or no output channels"),
+                                               ((3000, 4, 7), {}, "K limit")])
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_int8_conv2d_refuses_what_it_cannot_compute(args, kwargs, words):
+    conv = nn.Conv2d(*args, **kwargs)
+    with pytest.raises(ValueError, match=words):
+        Int8Conv2d.from_float(conv)
+    model = nn.Sequential(nn.Conv2d(4, 4, 1), conv)
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig(conv2d=True))
+    assert list(report.replaced) == ["0"] and words.strip("'") in report.skipped["1"] and type(model[1]) is nn.Conv2d
+
+
 def test_quantize_conv_net_with_conv2d():
-    # conv2d=True replaces the plain convolutions (the grouped one is left, with the reason); the output
-    # stays close to the float model's and the state_dict shrinks by nearly 4x; the default leaves convs.
+    # conv2d=True replaces the plain convolutions (the grouped, reflect- and 'same'-padded ones are left,
+    # with the reason); the output stays close to the float model's and each replaced layer's weights
+    # shrink 4x; the default config replaces the Linear and names every convolution it leaves.
     model, x = _conv_net(), torch.randn(4, 3, 16, 16)
     with torch.no_grad():
         ref = model(x)
     before = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     untouched = _conv_net()
-    assert list(quantize_(untouched, Int8DynamicActivationInt8WeightConfig()).replaced) == ["10"]
+    report = quantize_(untouched, Int8DynamicActivationInt8WeightConfig())
+    assert list(report.replaced) == ["13"] and all("conv2d=True" in report.skipped[k] for k in ("0", "3", "5"))
     report = quantize_(model, Int8DynamicActivationInt8WeightConfig(conv2d=True))
-    assert list(report.replaced) == ["0", "3", "7", "10"] and report.replaced["0"] == "Int8Conv2d"
-    assert "grouped convolution (groups=4)" in report.skipped["5"]
+    assert list(report.replaced) == ["0", "3", "9", "13"] and report.replaced["0"] == "Int8Conv2d"
+    assert "grouped convolution (groups=4)" in report.skipped["5"] and "'reflect'" in report.skipped["7"]
+    assert "'same'" in report.skipped["8"]
     with torch.no_grad():
         out = model(x)
     assert (out - ref).norm() / ref.norm() < 0.05

@@ -6,14 +6,16 @@ output has the input's dtype (autocast's under autocast). Inference only: the te
 and no gradient flows through a quantized layer. State-dict keys: ``weight`` (the quantized
 weight), ``weight_scale``, ``bias`` and, for static activations, ``act_scale``.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.utils import _pair
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
 from fuselab.quant.fp8_gemm import fp8_matmul
+from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
 from fuselab.quant.int8_gemm import int8_matmul
 from fuselab.quant.rowwise import FP8_DTYPE, quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
 
@@ -104,23 +106,44 @@ class Float8Linear(_QuantizedLinear):
         return fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
 
 
+def why_not_int8_conv2d(conv: nn.Conv2d) -> Optional[str]:
+    """Why ``Int8Conv2d`` cannot compute ``conv`` exactly as it is defined (None: it can)."""
+    if conv.groups != 1:
+        return f"a grouped convolution (groups={conv.groups}): Int8Conv2d computes groups=1 only"
+    if conv.padding_mode != "zeros" or conv.padding == "same":
+        return (f"padding {conv.padding!r} with mode {conv.padding_mode!r}: Int8Conv2d pads with zeros by "
+                "explicit amounts")
+    if conv.in_channels == 0 or conv.out_channels == 0:
+        return "has no input or no output channels"
+    k = conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1]
+    if k > INT8_MAX_K:
+        return f"C*kh*kw = {k} is above the int8 GEMM's K limit {INT8_MAX_K} (its int32 sums could overflow)"
+    return None
+
+
 class Int8Conv2d(_QuantizedLinear):
     """``nn.Conv2d`` (groups 1, zero padding) with W8A8: the input unfolded into one row of C*kh*kw
-    values per output position (im2col), each row quantized per token at run time, then the int8 GEMM
-    with its epilogue against the weight (O, C*kh*kw), quantized per output channel. The output is
-    laid out channels-last (N, O, H', W'), as the GEMM writes it."""
+    values per output position (im2col: the activations take kh*kw times their memory), each row
+    quantized per token at run time, then the int8 GEMM with its epilogue against the weight
+    (O, C*kh*kw), quantized per output channel. The output is in the input's memory format (channels-
+    last, as the GEMM writes it, for a channels-last input; else a contiguous copy)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: Tuple[int, int], stride: Tuple[int, int],
-                 padding: Tuple[int, int], dilation: Tuple[int, int], bias: bool = True, device=None):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 bias: bool = True, device=None):
+        kernel_size, stride, padding, dilation = (_pair(v) for v in (kernel_size, stride, padding, dilation))
         super().__init__(in_channels * kernel_size[0] * kernel_size[1], out_channels, bias, False, torch.int8,
                          device=device)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.padding, self.dilation = kernel_size, stride, padding, dilation
-        self.act_scale = None  # dynamic activations only (as Int8Linear without a static scale)
 
     @classmethod
     def from_float(cls, conv: nn.Conv2d) -> "Int8Conv2d":
-        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+        """Quantize ``conv``'s weight; ValueError if Int8Conv2d cannot compute it (``why_not_int8_conv2d``)."""
+        why = why_not_int8_conv2d(conv)
+        if why is not None:
+            raise ValueError(f"Int8Conv2d.from_float: {why}")
+        padding = (0, 0) if conv.padding == "valid" else conv.padding
+        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, padding, conv.dilation,
                     conv.bias is not None, device=conv.weight.device)
         layer.weight, layer.weight_scale = quantize_int8_rowwise(conv.weight.reshape(conv.out_channels, -1))
         layer.bias = None if conv.bias is None else conv.bias.detach().clone()
@@ -137,7 +160,9 @@ class Int8Conv2d(_QuantizedLinear):
         rows = patches.transpose(1, 2).reshape(n * ho * wo, self.in_features)
         xq, x_scale = quantize_int8_rowwise(rows)
         y = int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, False, out_dtype)
-        return y.view(n, ho, wo, self.out_channels).permute(0, 3, 1, 2)
+        y = y.view(n, ho, wo, self.out_channels).permute(0, 3, 1, 2)
+        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        return y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

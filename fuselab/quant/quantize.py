@@ -1,9 +1,10 @@
-"""``quantize_(model, config)``: swap Linear layers for quantized ones in place, and say what was done.
+"""``quantize_(model, config)``: swap Linear (and Conv2d) layers for quantized ones in place, and say what was done.
 
 torchao's calling convention: a frozen dataclass config (``config.py``) and a handler registered
 per config type (``register_quantize_module_handler``). Exactly ``nn.Linear`` and
 ``FusedLinearReLU`` layers are replaced (the latter with its ReLU fused into the quantized GEMM's
-epilogue); other Linear subclasses, and layers whose swap could change what the model computes
+epilogue), and ``nn.Conv2d`` layers where the dynamic int8 config says ``conv2d=True``; other Linear
+subclasses, other convolutions, and layers whose swap could change what the model computes
 (hooks, parametrizations, unsupported dtypes or devices), are left alone, with the reason in the
 report. Every decision is made before anything changes. ``calibrate`` runs a few batches through
 the float model to record each layer's input range (static activation scales) and a sample of its
@@ -15,6 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
 from fuselab.nn.fuse import why_not_swapped
@@ -25,7 +27,7 @@ from fuselab.quant.config import (
     Int8StaticActivationInt8WeightConfig,
 )
 from fuselab.quant.fp8_gemm import check_fp8_device
-from fuselab.quant.modules import Float8Linear, Int8Conv2d, Int8Linear
+from fuselab.quant.modules import Float8Linear, Int8Conv2d, Int8Linear, why_not_int8_conv2d
 from fuselab.quant.rowwise import INT8_QMAX
 
 # ----------------------------------------------------------------------------------------------
@@ -35,8 +37,8 @@ from fuselab.quant.rowwise import INT8_QMAX
 
 @dataclass(frozen=True)
 class _Handler:
-    convert: Callable[[nn.Linear, bool, str, Any], nn.Module]  # (layer, relu, name, config) -> quantized layer
-    why_not: Callable[[nn.Linear, str, Any], Optional[str]]  # (layer, name, config) -> reason to leave it, or None
+    convert: Callable[[nn.Module, bool, str, Any], nn.Module]  # (layer, relu, name, config) -> quantized layer
+    why_not: Callable[[nn.Module, str, Any], Optional[str]]  # (layer, name, config) -> reason to leave it, or None
 
 
 _HANDLERS: Dict[type, _Handler] = {}
@@ -47,7 +49,8 @@ def _no_objection(layer, name, config) -> Optional[str]:
 
 
 def register_quantize_module_handler(config_type: type, why_not: Callable = _no_objection):
-    """Decorator: ``convert(layer, relu, name, config)`` quantizes Linear layers for ``config_type``;
+    """Decorator: ``convert(layer, relu, name, config)`` quantizes Linear (and, where the config asks,
+    Conv2d) layers for ``config_type``;
     ``why_not(layer, name, config)`` may refuse a layer with a reason (the report shows it)."""
 
     def decorate(convert):
@@ -206,7 +209,7 @@ class QuantizationReport:
     errors: Dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"quantized {len(self.replaced)} layers with {type(self.config).__name__}; "
+        lines = [f"quantized {len(self.replaced)} layer(s) with {type(self.config).__name__}; "
                  f"left {len(self.skipped)} alone"]
         for name, what in self.replaced.items():
             error = f"  relative error {self.errors[name]:.2e}" if name in self.errors else ""
@@ -234,7 +237,8 @@ _REPLACED = (nn.Linear, FusedLinearReLU)  # exactly these types: a subclass's fo
 
 def _replaced_types(config: Any) -> Tuple[type, ...]:
     """The layer types ``config`` replaces: Linear (and FusedLinearReLU), and Conv2d where it asks for them."""
-    return _REPLACED + ((nn.Conv2d,) if getattr(config, "conv2d", False) else ())
+    convs = isinstance(config, Int8DynamicActivationInt8WeightConfig) and config.conv2d
+    return _REPLACED + ((nn.Conv2d,) if convs else ())
 
 
 def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED) -> Optional[str]:
@@ -252,12 +256,7 @@ def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED)
     if weight.device.type not in ("cpu", "cuda"):
         return f"on the {weight.device.type} device: the quantized GEMMs run on cpu and cuda"
     if isinstance(layer, nn.Conv2d):
-        if layer.groups != 1:
-            return f"a grouped convolution (groups={layer.groups}): Int8Conv2d computes groups=1 only"
-        if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
-            return (f"padding {layer.padding!r}, mode {layer.padding_mode!r}: Int8Conv2d pads with zeros by "
-                    "explicit amounts")
-        return None
+        return why_not_int8_conv2d(layer)
     if layer.in_features == 0 or layer.out_features == 0:
         return "has no input or no output features"
     return None
@@ -296,7 +295,11 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     report = QuantizationReport(config=config)
     planned = []
     replaced = _replaced_types(config)
-    for name, layer, parents in _layer_sites(model, (nn.Linear,) + replaced[len(_REPLACED):]).values():
+    for name, layer, parents in _layer_sites(model, (nn.Linear, _ConvNd)).values():
+        if isinstance(layer, _ConvNd) and type(layer) not in replaced:
+            report.skipped[name] = (f"a {type(layer).__name__}: quantize_ replaces nn.Conv2d only, with "
+                                    "Int8DynamicActivationInt8WeightConfig(conv2d=True)")
+            continue
         why = _why_not_quantized(layer, replaced) or handler.why_not(layer, name, config)
         if why is None and filter_fn is not None and not filter_fn(name, layer):
             why = "vetoed by filter_fn"
@@ -304,7 +307,7 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
             report.skipped[name] = why
         else:
             planned.append((name, layer, parents))
-    if isinstance(model, nn.Linear):
+    if isinstance(model, (nn.Linear, _ConvNd)):
         report.skipped[""] = "the model itself: quantize_ replaces submodules in place"
     # Every decision is made: conversions and assignments from here on.
     for name, layer, parents in planned:

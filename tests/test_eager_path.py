@@ -100,7 +100,11 @@ def test_a_library_plan_runs_cublas_through_aten(ext, monkeypatch):
     ext.clear_plans()
 
 
+_INTERPRETER_ONLY = pytest.mark.skipif(not runtime.INTERPRET, reason="the CPU GEMMs run in the Triton interpreter")
+
+
 @pytest.mark.slow
+@_INTERPRETER_ONLY
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["linear-3d", "matmul-nobias", "linear-strided-bias"])
 def test_cpp_autograd_node_on_a_cpu(ext, dtype, layout):
@@ -129,6 +133,7 @@ def test_cpp_autograd_node_on_a_cpu(ext, dtype, layout):
 
 
 @pytest.mark.slow
+@_INTERPRETER_ONLY
 def test_cpp_autograd_node_double_backward_and_partial_grads_on_a_cpu(ext):
     # Only x requires grad; create_graph=True makes the node's backward PyTorch's differentiable ops (with
     # torch.relu's mask), whose result is checked, then differentiated again (the fallback GEMMs run there).

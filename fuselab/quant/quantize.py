@@ -262,8 +262,8 @@ def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED)
     return None
 
 
-def _layer_sites(model: nn.Module, types: Tuple[type, ...] = (nn.Linear,)
-                 ) -> Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]]:
+def _layer_sites(model: nn.Module,
+                 types: Tuple[type, ...]) -> Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]]:
     """Every module of ``types`` under ``model`` (not ``model`` itself): id -> (first name, layer, [(parent, key)])."""
     sites: Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]] = {}
     for parent_name, parent in model.named_modules(remove_duplicate=False):

@@ -18,11 +18,11 @@ checkpoint save are left out. tokens/s is global; MFU is per GPU:
 
     FLOP per token = 6 N + 12 L d T    (PaLM, appendix B; nanoGPT's estimate_mfu)
 
-N = parameters except the position embedding (the tied token embedding counted once: it is the
-LM head's matmul), L layers, d = n_embd, T = sequence length (attention's QK^T and AV, forward
-and backward, counted over the full T x T square, as those references do, although a causal
-kernel skips about half). The peak is ``--peak-tflops`` per GPU: 989.4 TFLOP/s, the H200 SXM
-datasheet's dense BF16 tensor-core figure (1,979 with 2:4 sparsity).
+N = parameters except the position embedding and the vocabulary's padding rows (the tied token
+embedding counted once: it is the LM head's matmul), L layers, d = n_embd, T = sequence length
+(attention's QK^T and AV, forward and backward, counted over the full T x T square, as those
+references do, although a causal kernel skips about half). The peak is ``--peak-tflops`` per GPU:
+989.4 TFLOP/s, the H200 SXM datasheet's dense BF16 tensor-core figure (1,979 with 2:4 sparsity).
 
     python -m experiments.train_fsdp --tiny --device cpu --steps 20                       # smoke run
     python -m experiments.train_fsdp --steps 300 --compile                                # 1.31B, one GPU
@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--activation", choices=("gelu", "relu"), default="gelu",
                    help="gelu: GPT-2's gelu_new; relu: fuselab's fused Linear+ReLU layers (fuse_linear_relu)")
     g.add_argument("--dropout", type=float, default=0.0, help="GPT-2's three dropout rates (default 0)")
+    g.add_argument("--vocab-multiple", type=harness.positive_int, default=64,
+                   help="pad the token embedding (the LM head) to a multiple of this many rows, as nanoGPT and "
+                        "llm.c do, so the head's GEMMs get aligned shapes; the padded ids never occur (1: none)")
     g.add_argument("--tiny", action="store_true",
                    help="a CPU smoke size: n_embd 64, 2 layers, 2 heads, seq 64, batch 2, 200k tokens of text")
     g = p.add_argument_group("training")
@@ -88,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="keep each block's gathered parameters from forward to backward (ZeRO-2 style)")
     g.add_argument("--compile", action="store_true", help="torch.compile each block and the loss")
+    g.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
+                   help="with --compile: each block and the loss (default), or the whole forward and loss as one "
+                        "graph (the embeddings, final norm and LM head fused too)")
     g.add_argument("--compile-mode", default=None, help="torch.compile mode (e.g. max-autotune-no-cudagraphs)")
     g.add_argument("--ac", action="store_true", help="activation checkpointing per block")
     g.add_argument("--no-tf32", dest="tf32", action="store_false", help="exact fp32 matmuls (default: tf32 allowed)")
@@ -168,7 +174,7 @@ def build_model(args, device):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cfg = GPT2Config(vocab_size=GPT2_VOCAB, n_positions=args.seq, n_embd=args.n_embd, n_layer=args.n_layer,
+    cfg = GPT2Config(vocab_size=padded_vocab(args), n_positions=args.seq, n_embd=args.n_embd, n_layer=args.n_layer,
                      n_head=args.n_head, activation_function="relu" if args.activation == "relu" else "gelu_new",
                      resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout, use_cache=False,
                      bos_token_id=data.GPT2_EOT, eos_token_id=data.GPT2_EOT)
@@ -191,8 +197,13 @@ def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def padded_vocab(args) -> int:
+    return -(-GPT2_VOCAB // args.vocab_multiple) * args.vocab_multiple
+
+
 def flops_per_token(n_params: int, args) -> float:
-    n = n_params - args.seq * args.n_embd  # without the position embedding (a lookup, no matmul)
+    # Without the position embedding (a lookup, no matmul) and the padding rows (no useful work).
+    n = n_params - args.seq * args.n_embd - (padded_vocab(args) - GPT2_VOCAB) * args.n_embd
     return 6 * n + 12 * args.n_layer * args.n_embd * args.seq
 
 
@@ -212,7 +223,10 @@ def variant_name(args, sharded: bool, world: int) -> str:
     if sharded and not args.reshard_after_forward:
         parts.append("no-reshard")
     if args.compile:
-        parts.append("compile" + (f"[{args.compile_mode}]" if args.compile_mode else ""))
+        parts.append(("compile-model" if args.compile_scope == "model" else "compile")
+                     + (f"[{args.compile_mode}]" if args.compile_mode else ""))
+    if args.vocab_multiple > 1:
+        parts.append(f"vocab{padded_vocab(args)}")
     if args.ac:
         parts.append("ac")
     if args.activation == "relu":
@@ -261,17 +275,18 @@ def train(args, rt):
     if report is not None:
         log.info("%s", report)
     compile_options = {"mode": args.compile_mode} if args.compile_mode else {}
+    compile_blocks = args.compile and args.compile_scope == "blocks"
     if sharded:
         fd.fully_shard_model(model, mixed_precision=bf16, activation_checkpointing=args.ac,
-                             reshard_after_forward=args.reshard_after_forward, compile_blocks=args.compile,
+                             reshard_after_forward=args.reshard_after_forward, compile_blocks=compile_blocks,
                              compile_options=compile_options)
     else:
-        fd.wrap_blocks(model, activation_checkpointing=args.ac, compile_blocks=args.compile,
+        fd.wrap_blocks(model, activation_checkpointing=args.ac, compile_blocks=compile_blocks,
                        compile_options=compile_options)
         model = fd.ddp_model(model)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not sharded
                 else contextlib.nullcontext())
-    loss_fn = torch.compile(lm_loss, **compile_options) if args.compile else lm_loss
+    loss_fn = torch.compile(lm_loss, **compile_options) if compile_blocks else lm_loss
     opt, sched = make_optimizer(model, args, device)
 
     ckpt = None
@@ -305,6 +320,9 @@ def train(args, rt):
         with autocast:
             logits = model(input_ids=x).logits
         return loss_fn(logits, y)
+
+    if args.compile and args.compile_scope == "model":
+        forward_loss = torch.compile(forward_loss, **compile_options)
 
     losses, windows, val_loss = [], [], None
     bar = tqdm(total=args.steps, initial=start, desc=STUDY, disable=not rt.is_main, dynamic_ncols=True)
@@ -382,7 +400,8 @@ def evaluate(model, windows: Windows, args, rt, forward_loss) -> float:
 def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch):
     results = harness.Results(STUDY)
     extra = dict(world_size=rt.world_size, params=n_params, flops_per_token=fpt, global_batch=global_batch,
-                 seq=args.seq, flop_formula="6*N + 12*L*d*T per token (N without the position embedding)")
+                 seq=args.seq, vocab=padded_vocab(args),
+                 flop_formula="6*N + 12*L*d*T per token (N without the position embedding and vocabulary padding)")
     rows = {}
     if not windows:
         log.warning("no timed window (all within --timing-skip %d or spanning checkpoints): no throughput",
@@ -415,7 +434,8 @@ def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, 
         rows["peak MiB"] = peak_mib
     print(harness.markdown_table(["op", "provider", "shape", *rows],
                                  [[keys["op"], keys["provider"], keys["shape"], *rows.values()]]))
-    print(f"FLOP/token = 6N + 12 L d T = {fpt:.4e} (N = {n_params:,} parameters less the position embedding); "
+    print(f"FLOP/token = 6N + 12 L d T = {fpt:.4e} (N: {n_params:,} parameters less the position embedding "
+          "and vocabulary padding); "
           + (f"MFU against {args.peak_tflops} TFLOP/s per GPU" if args.peak_tflops else "no MFU (no peak given)"))
     path = harness.output_path(args, STUDY)
     print(f"saved {results.save(path, merge=args.merge)}")

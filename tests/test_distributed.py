@@ -221,7 +221,7 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
                    module=True, timeout=300)
     assert first.returncode == 0, output(first)
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
-    assert {r["provider"] for r in rows} == {"fsdp+fused-relu"}
+    assert {r["provider"] for r in rows} == {"fsdp+vocab50304+fused-relu"}
     assert {r["metric"] for r in rows} >= {"tokens/s", "TFLOP/s per GPU", "loss", "val loss"}
     # resume in this process: a plain process (no torchrun), world size 1, unsharded
     from experiments import train_fsdp
@@ -230,7 +230,7 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
     assert "resumed from" in capfd.readouterr().err
     assert rows == json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [r["step"] for r in rows if r["metric"] == "loss"] == [6]
-    assert {r["provider"] for r in rows} == {"single+fused-relu"}
+    assert {r["provider"] for r in rows} == {"single+vocab50304+fused-relu"}
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004",
                                                                      "step_00000006"]
 

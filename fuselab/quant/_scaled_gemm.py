@@ -128,11 +128,14 @@ def scaled_gemm_kernel(
 
 @triton.jit
 def _dot(a, b, acc, INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One return: triton 3.6 compiles the statements after a return inside a constexpr `if` too.
     if INT8:
-        return tl.dot(a, b, acc, out_dtype=tl.int32)  # exact: the checks keep K below int32 overflow
-    # Hopper's fp8 MMA keeps fewer bits while it accumulates, and Triton's sm_90 default lets it run over
-    # the whole K: promote into fp32 once per K tile instead.
-    return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # exact: the checks keep K below int32 overflow
+    else:
+        # Hopper's fp8 MMA keeps fewer bits while it accumulates, and Triton's sm_90 default lets it run
+        # over the whole K: promote into fp32 once per K tile instead.
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    return acc
 
 
 @triton.jit

@@ -65,7 +65,9 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, QMAX:
             step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
             inverse = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
             r = ((tl.abs(v) * inverse + _ROUND_MAGIC) - _ROUND_MAGIC) * step  # exact: powers of two, < 16 steps
-            q = tl.where(bits < 0, -r, r).to(tl.float8e4nv)  # the sign kept, -0 included (as the cast keeps it)
+            # The sign bit put back (-0 included, as the cast keeps it): a compiled `-r` is `0 - r`, so +0.
+            signed = r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)
+            q = signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
         tl.store(q_row + offs, q, mask=offs < K)
 
 
@@ -113,7 +115,9 @@ def _runs_triton(x: torch.Tensor) -> bool:
 def _torch_rowwise(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows`` by PyTorch's ops."""
     qmax = FP8_MAX if fp8 else INT8_QMAX
-    scale = x.abs().amax(dim=-1).to(torch.float32).clamp_(min=_TINY).div_(qmax)  # amax's result: fresh
+    amax = x.abs().amax(dim=-1).to(torch.float32).clamp_(min=_TINY)
+    # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal (1 ulp off).
+    scale = amax.div_(amax.new_full((), qmax))
     quotient = x.to(torch.float32) / scale[..., None]  # a new tensor: rounded and clamped in place
     if fp8:  # clamped first: a quotient that rounds past 448 would become NaN (e4m3fn has no infinity)
         return quotient.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

@@ -47,7 +47,6 @@ The coverage measurements, one command each (estimated 3-7 minutes each on an H2
 """
 import argparse
 import contextlib
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -66,6 +65,7 @@ from experiments.harness import (
     rotating,
     shape_dims,
     time_call,
+    tuned_choice,
 )
 from fuselab.kernels import matmul_relu
 
@@ -244,16 +244,6 @@ def floor_ms(op: str, shape: str, dtype: str, bandwidth_gbs: float) -> float:
     return nbytes / (bandwidth_gbs * 1e9) * 1e3
 
 
-def fuselab_config() -> Optional[str]:
-    """The autotuner's last choice for the Triton kernel (None where the kernel module moved)."""
-    for module in list(sys.modules.values()):
-        kernel = getattr(module, "matmul_relu_kernel", None) if module and module.__name__.startswith(
-            "fuselab.kernels") else None
-        if kernel is not None and getattr(kernel, "best_config", None) is not None:
-            return str(kernel.best_config)
-    return None
-
-
 def measure(results: Results, op: str, shape: str, dtype_name: str, args, layout: str = "row-major",
             bandwidth_gbs: Optional[float] = None, device="cuda") -> None:
     """Every wanted provider of ``op`` at one shape, dtype and B layout, in every mode of ``args.modes``;
@@ -287,7 +277,8 @@ def measure(results: Results, op: str, shape: str, dtype_name: str, args, layout
                     continue
                 # the tuner's choice, where the op is one launch (fwd+bwd's last would name one product only)
                 one_launch = name == "fuselab" and mode == "eager" and op != "fwd+bwd"
-                extra = {"config": fuselab_config()} if one_launch else {}
+                first = sets[0]
+                extra = {"config": tuned_choice(lambda: fn(*first), "matmul_relu_kernel")} if one_launch else {}
                 results.record_time(**keys, mode=mode, value=timing, flops=flops, **extra)
                 if floor is not None:
                     results.record(**keys, mode=mode, metric="% bytes floor", value=timing.scaled(100 * floor))

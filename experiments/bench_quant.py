@@ -46,7 +46,6 @@ kernels autotune on first use (once per GPU, cached): a fresh machine spends min
 """
 import argparse
 import copy
-import sys
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -66,6 +65,7 @@ from experiments.harness import (
     rotating,
     shape_dims,
     time_call,
+    tuned_choice,
 )
 from experiments.models import OPT_SIZES, opt_decoder
 from fuselab.kernels import linear_relu
@@ -189,17 +189,6 @@ def references(inp: GemmInputs) -> Dict[bool, torch.Tensor]:
             True: torch.relu(inp.x.double() @ inp.w.double().t() + inp.bias.double())}
 
 
-def tuned_config(name: str) -> Optional[str]:
-    """The autotuner's last choice for a fuselab provider's Triton kernel (None if not found)."""
-    kernel_name = KERNEL_OF.get(name)
-    for module in list(sys.modules.values()):
-        if kernel_name and getattr(module, "__name__", "").startswith("fuselab."):
-            best = getattr(getattr(module, kernel_name, None), "best_config", None)
-            if best is not None:
-                return str(best)
-    return None
-
-
 def fp8_unsupported(device) -> Optional[str]:
     """Why fp8 GEMMs cannot run on ``device`` (None: they can)."""
     return check_fp8_device(torch.device(device))
@@ -262,7 +251,8 @@ def measure_gemm(results: Results, op: str, shape: str, args, device="cuda") -> 
                 _report_failure(results, dict(keys, provider=name), [mode], e)
                 _empty_cache(device)
                 continue
-            extra = {"config": tuned_config(name)} if name in KERNEL_OF and mode == "eager" else {}
+            extra = ({"config": tuned_choice(lambda s=sets[0]: fn(s), KERNEL_OF[name])}
+                     if name in KERNEL_OF and mode == "eager" else {})
             results.record(**keys, provider=name, mode=mode, metric="ms", value=timing, **extra)
             results.record(**keys, provider=name, mode=mode, metric=RATE[op], value=timing.scaled(2e-9 * M * N * K))
     del sets, calls

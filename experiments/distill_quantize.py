@@ -442,6 +442,20 @@ class Study:
                         model=provider, mean=statistics.fmean(vals),
                         std=statistics.stdev(vals) if len(vals) > 1 else 0.0, n=len(vals))
 
+    def refresh_summaries(self) -> None:
+        """Recompute every accuracy summary from the per-seed rows present: after a ``--merge`` with a
+        run of other seeds (or the same seed again), the summaries written earlier are stale."""
+        rows = self.res.rows
+        summarized = {(r["provider"], r["dtype"]) for r in rows if r["op"] == "accuracy"
+                      and r["shape"].startswith("seeds ")}
+        self.res.rows = [r for r in rows if not (r["op"] == "accuracy" and r["shape"].startswith("seeds "))]
+        by_seed: Dict[Tuple[str, str], Dict[int, float]] = {}
+        for r in self.res.rows:
+            if r["op"] == "accuracy" and (r["provider"], r["dtype"]) in summarized and "seed" in r:
+                by_seed.setdefault((r["provider"], r["dtype"]), {})[r["seed"]] = r["p50"]
+        for (provider, dtype), accs in by_seed.items():
+            self.accuracy_summary(provider, accs, dtype=dtype)
+
     def size(self, provider: str, model: nn.Module, dtype: str = "fp32", fp32: Optional[str] = None):
         """``fp32``: the provider of the float model that ``model`` was quantized from."""
         if self.res.select(op="size", provider=provider, dtype=dtype):
@@ -641,6 +655,10 @@ def main(argv=None):
 
     results.save(out, merge=args.merge)
     saved = Results.load(out)  # with --merge: the rows of earlier runs too
+    if args.merge:
+        saved.run_id = results.run_id  # the summaries are this run's computation
+        Study(saved).refresh_summaries()
+        saved.save(out)
     text = summary(saved)
     print("\n" + text)
     out.with_suffix(".md").write_text(f"# {STUDY}\n\n{text}\n")

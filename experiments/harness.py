@@ -25,6 +25,7 @@ committed ``results/`` (``--results``).
 import argparse
 import itertools
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -305,3 +306,21 @@ def pivot(rows: List[dict], index: Sequence[str], column: str = "provider", stat
 def geomean(values: Iterable[float]) -> float:
     values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def tuned_choice(call: Callable[[], object], kernel_name: str) -> Optional[str]:
+    """The autotuner's choice for the launch that ``call`` makes of fuselab's Triton kernel
+    ``kernel_name`` (None if none is found). ``call`` runs once with every launch plan forgotten, so it
+    goes through the tuner: a planned launch skips it and would leave ``best_config`` at whichever
+    key was tuned last."""
+    from fuselab.kernels import _runtime
+
+    _runtime.forget_plans()
+    call()
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("fuselab."):
+            best = getattr(getattr(module, kernel_name, None), "best_config", None)
+            if best is not None:
+                return str(best)
+    return None
+

@@ -98,9 +98,10 @@ def test_tiny_run_end_to_end_then_load_students(fake_fmnist, sandbox, monkeypatc
     dq.main(common + ["--load-students", str(sandbox / "st"), "--teacher-ckpt", str(sandbox / "teacher.pt"),
                       "--students", "cnn", "--merge"])
     merged = Results.load(out)
-    assert len(merged.runs) == 2 and len(merged.rows) == rows_before + 1  # re-measured in place, + "seeds 0"
+    # re-measured in place; the summary over seeds 0 and 1 recomputed with the new seed 0 (no stale one)
+    assert len(merged.runs) == 2 and len(merged.rows) == rows_before
     again = merged.select(op="accuracy", provider="distilled cnn int8 (cpu, fuselab linear int8 dynamic)")
-    assert sorted(r["shape"] for r in again if r["run"] != first_run) == ["seed 0", "seeds 0"]
+    assert sorted(r["shape"] for r in again if r["run"] != first_run) == ["seed 0", "seeds 0,1"]
     assert not merged.select(op="accuracy", provider="distilled resnet18 int8 (cpu, fuselab linear int8 dynamic)",
                              shape="seeds 0")  # only the cnn was asked for
     teacher_lat = merged.select(op="cpu latency: teacher", shape="batch 1")
@@ -242,3 +243,27 @@ def test_image_models_are_torchvisions_with_a_28x28_stem():
     with pytest.raises(ValueError, match="unknown arch"):
         resnet_28x28("vgg")
     json.dumps(vars(dq.TINY_ARCHS["cnn"]))  # archs go into checkpoints' metadata
+
+
+def test_merged_runs_get_fresh_summaries_over_every_seed(tmp_path):
+    # A later run of seed 0 merged into a three-seed file: seed 0's row is replaced, and the summary is
+    # recomputed over seeds 0, 1 and 2 (the earlier one, with the old seed 0, would be stale).
+    path = tmp_path / "r.json"
+    first = Results(dq.STUDY)
+    study = dq.Study(first)
+    for seed, acc in ((0, 0.90), (1, 0.92), (2, 0.94)):
+        study.accuracy("distilled cnn", seed, acc)
+    study.accuracy_summary("distilled cnn", {0: 0.90, 1: 0.92, 2: 0.94})
+    study.accuracy("teacher", 0, 0.95)  # never summarized: stays without a summary
+    first.save(path)
+    second = Results(dq.STUDY)
+    dq.Study(second).accuracy("distilled cnn", 0, 0.96)
+    dq.Study(second).accuracy_summary("distilled cnn", {0: 0.96})
+    second.save(path, merge=True)
+    merged = Results.load(path)
+    merged.run_id = second.run_id
+    dq.Study(merged).refresh_summaries()
+    summaries = [r for r in merged.rows if r["shape"].startswith("seeds ")]
+    assert [(r["provider"], r["shape"], r["n"]) for r in summaries] == [("distilled cnn", "seeds 0,1,2", 3)]
+    assert summaries[0]["mean"] == pytest.approx((0.96 + 0.92 + 0.94) / 3)
+    assert summaries[0]["run"] == second.run_id

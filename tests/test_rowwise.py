@@ -11,7 +11,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.fixture(autouse=True)
 def kernel_on_cuda(monkeypatch):
-    """The kernel on CUDA too (off by default until these GPU tests have passed: rowwise.KERNEL_ON_CUDA)."""
+    """The kernel on CUDA whatever rowwise.KERNEL_ON_CUDA says (the switch that sends CUDA tensors to
+    PyTorch's ops where these tests fail)."""
     monkeypatch.setattr(rowwise, "KERNEL_ON_CUDA", True)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -124,6 +124,16 @@ def plan_layout(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
 
+def forget_plans() -> None:
+    """Drop every launch plan, Python's and the C++ eager path's: each op's next call goes through its
+    autotuner again (where a benchmark reads the config chosen for that call's key)."""
+    _PLANS.clear()
+    from fuselab.kernels import eager_path
+
+    if eager_path.extension is not None:
+        eager_path.extension.clear_plans()
+
+
 def launch_planned(plan_key: Hashable, *tensors: torch.Tensor, cpp_key: Optional[tuple] = None) -> bool:
     """Relaunch the kernel that ``launch(..., plan_key=plan_key)`` ran, on new tensors; False
     (nothing launched) if there is no such launch yet, or planned launches are off (see

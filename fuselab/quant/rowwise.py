@@ -102,10 +102,9 @@ def _check(x: torch.Tensor, op: str) -> None:
         raise TypeError(f"{op}: x must be float32, float16 or bfloat16, got {x.dtype}")
 
 
-# The kernel's first GPU run (2026-12-03) failed to compile (a non-constexpr global the interpreter
-# accepts); fixed since, but not yet run on a GPU: CUDA tensors take PyTorch's ops (the same bits)
-# until the GPU tests of tests/test_rowwise.py pass, then this turns True.
-KERNEL_ON_CUDA = False
+# CUDA tensors take the kernel (its GPU tests passed on the H200 at e46da89); False sends them to
+# PyTorch's ops, the same bits, should a new GPU or triton version fail tests/test_rowwise.py.
+KERNEL_ON_CUDA = True
 
 
 def _runs_triton(x: torch.Tensor) -> bool:

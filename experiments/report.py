@@ -230,9 +230,11 @@ the `run` column names each line's runs, listed at the end.""",
 transformers' GPT2LMHeadModel (d 2048, 24 layers, 16 heads, 1,024 tokens a sequence) trained on GPT-2
 BPE ids of the Python docs (Debian python3.11-doc's reST sources) by `experiments/train_fsdp.py`: AdamW
 (fused), warm-up then cosine, bf16 (autocast on one rank, FSDP2 bf16 parameters with fp32 reduction
-on several), `--compile` per block. Throughput over timed windows after the first steps; MFU per GPU
-= tokens/s x (6 N + 12 L d T) / 989.4 TFLOP/s (the H200's dense BF16 peak); see the script's
-docstring. The curve is the training loss of every logged window; `val loss` is on the held-out
+on several), `--compile` per block (`compile-model`: the whole forward and loss as one graph);
+`vocab50304`: the token embedding padded from 50,257 rows to a multiple of 64 (aligned LM-head
+GEMMs, as nanoGPT and llm.c; the padding is left out of N). Throughput over timed windows after the
+first steps; MFU per GPU = tokens/s x (6 N + 12 L d T) / 989.4 TFLOP/s (the H200's dense BF16
+peak); see the script's docstring. The curve is the training loss of every logged window; `val loss` is on the held-out
 tail of the corpus (`--corpus`: the ids as a tensor, written by `--export-tokens` where the docs
 and tiktoken are). The issue's target is >= 45% MFU at batch 8 x 1024 on one H200.""",
         command="python -m experiments.train_fsdp --corpus data/python-docs-gpt2.pt --steps 300 --compile --results",

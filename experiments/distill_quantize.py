@@ -524,7 +524,7 @@ def parse_args(argv):
                    help="reuse the teacher saved here (an error if it was trained with other settings); "
                         "without one there, train it and save it here")
     p.add_argument("--save-students", type=Path, default=None,
-                   help="save the distilled students of the first seed here (files under 16 MiB)")
+                   help="save the distilled students of every seed here (files under 16 MiB)")
     p.add_argument("--load-students", type=Path, default=None,
                    help="skip training: quantize and time the students saved by --save-students")
     p.add_argument("--skip-quant", action="store_true", help="no quantization (accuracy, sizes, fp32 latency)")
@@ -638,10 +638,10 @@ def main(argv=None):
                         students.setdefault(provider, {})[seed] = model
                     if seed == args.seeds[0]:
                         study.size(provider, model)
-                        if method == "distilled" and args.save_students is not None:
-                            meta = {"name": name, "provider": provider, "seed": seed, "arch": asdict(archs[name]),
-                                    "accuracy": acc, "data": data.name, "epochs": args.epochs}
-                            save_student(args.save_students, f"{method}-{name}-seed{seed}", model, meta)
+                    if method == "distilled" and args.save_students is not None:  # every seed: the CPU stage's
+                        meta = {"name": name, "provider": provider, "seed": seed, "arch": asdict(archs[name]),
+                                "accuracy": acc, "data": data.name, "epochs": args.epochs}
+                        save_student(args.save_students, f"{method}-{name}-seed{seed}", model, meta)
             for method in ("scratch", "distilled"):
                 study.accuracy_summary(f"{method} {name}", accs[method])
         print(f"training done in {time.perf_counter() - t_start:.0f} s")

@@ -91,17 +91,18 @@ def test_tiny_run_end_to_end_then_load_students(fake_fmnist, sandbox, monkeypatc
     page = report.render_study(res)  # the study's own summary table, as the docs page shows it
     assert "test accuracy" in page and "| distilled cnn |" in page and "CPU ms b64" in page
     saved = sorted(p.name for p in (sandbox / "st").iterdir())
-    assert saved == ["distilled-cnn-seed0.0.pt", "distilled-resnet18-seed0.0.pt"]
+    assert saved == ["distilled-cnn-seed0.0.pt", "distilled-cnn-seed1.0.pt", "distilled-resnet18-seed0.0.pt",
+                     "distilled-resnet18-seed1.0.pt"]
 
     # phase two: the saved students (and the cached teacher), CPU part only, merged into the same file
     rows_before, first_run = len(res.rows), next(iter(res.runs))
     dq.main(common + ["--load-students", str(sandbox / "st"), "--teacher-ckpt", str(sandbox / "teacher.pt"),
                       "--students", "cnn", "--merge"])
     merged = Results.load(out)
-    # re-measured in place; the summary over seeds 0 and 1 recomputed with the new seed 0 (no stale one)
+    # re-measured in place, both seeds, and their summary recomputed (no stale one beside it)
     assert len(merged.runs) == 2 and len(merged.rows) == rows_before
     again = merged.select(op="accuracy", provider="distilled cnn int8 (cpu, fuselab linear int8 dynamic)")
-    assert sorted(r["shape"] for r in again if r["run"] != first_run) == ["seed 0", "seeds 0,1"]
+    assert sorted(r["shape"] for r in again if r["run"] != first_run) == ["seed 0", "seed 1", "seeds 0,1"]
     assert not merged.select(op="accuracy", provider="distilled resnet18 int8 (cpu, fuselab linear int8 dynamic)",
                              shape="seeds 0")  # only the cnn was asked for
     teacher_lat = merged.select(op="cpu latency: teacher", shape="batch 1")

@@ -433,14 +433,14 @@ class Study:
         self.res.record(op="accuracy", provider=provider, shape=f"seed {seed}", dtype=dtype, mode="eval",
                         metric="test accuracy", value=value, model=provider, seed=seed, **extra)
 
-    def accuracy_summary(self, provider: str, accs: Dict[int, float], dtype: str = "fp32"):
+    def accuracy_summary(self, provider: str, accs: Dict[int, float], dtype: str = "fp32", **extra):
         from experiments.harness import Timing
 
         vals = [accs[s] for s in sorted(accs)]
         self.res.record(op="accuracy", provider=provider, shape="seeds " + ",".join(map(str, sorted(accs))),
                         dtype=dtype, mode="eval", metric="test accuracy", value=Timing.of(vals),
                         model=provider, mean=statistics.fmean(vals),
-                        std=statistics.stdev(vals) if len(vals) > 1 else 0.0, n=len(vals))
+                        std=statistics.stdev(vals) if len(vals) > 1 else 0.0, n=len(vals), **extra)
 
     def refresh_summaries(self) -> None:
         """Recompute every accuracy summary from the per-seed rows present: after a ``--merge`` with a
@@ -449,12 +449,13 @@ class Study:
         summarized = {(r["provider"], r["dtype"]) for r in rows if r["op"] == "accuracy"
                       and r["shape"].startswith("seeds ")}
         self.res.rows = [r for r in rows if not (r["op"] == "accuracy" and r["shape"].startswith("seeds "))]
-        by_seed: Dict[Tuple[str, str], Dict[int, float]] = {}
+        by_seed: Dict[Tuple[str, str], Dict[int, dict]] = {}
         for r in self.res.rows:
-            if r["op"] == "accuracy" and (r["provider"], r["dtype"]) in summarized and "seed" in r:
-                by_seed.setdefault((r["provider"], r["dtype"]), {})[r["seed"]] = r["p50"]
-        for (provider, dtype), accs in by_seed.items():
-            self.accuracy_summary(provider, accs, dtype=dtype)
+            if r["op"] == "accuracy" and (r["provider"], r["dtype"]) in summarized and r["shape"].startswith("seed "):
+                by_seed.setdefault((r["provider"], r["dtype"]), {})[int(r["shape"].split()[1])] = r
+        for (provider, dtype), seeds in by_seed.items():  # the runs that measured the seeds, for the reader
+            self.accuracy_summary(provider, {s: r["p50"] for s, r in seeds.items()}, dtype=dtype,
+                                  seed_runs=sorted({r["run"] for r in seeds.values()}))
 
     def size(self, provider: str, model: nn.Module, dtype: str = "fp32", fp32: Optional[str] = None):
         """``fp32``: the provider of the float model that ``model`` was quantized from."""

@@ -315,12 +315,12 @@ def tuned_choice(call: Callable[[], object], kernel_name: str) -> Optional[str]:
     key was tuned last."""
     from fuselab.kernels import _runtime
 
+    kernels = {id(k): k for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("fuselab.")
+               for k in [getattr(m, kernel_name, None)] if hasattr(k, "best_config")}.values()
+    for kernel in kernels:  # a call that never reaches the tuner (an empty input, a fallback) names none
+        kernel.best_config = None
     _runtime.forget_plans()
     call()
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("fuselab."):
-            best = getattr(getattr(module, kernel_name, None), "best_config", None)
-            if best is not None:
-                return str(best)
-    return None
+    best = [k.best_config for k in kernels if k.best_config is not None]
+    return str(best[0]) if best else None
 

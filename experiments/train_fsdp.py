@@ -114,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     harness.add_output_args(p)
     args = p.parse_args(argv)
     finish_run_args(p, args, tiny=TINY)
+    if args.compile_scope != "blocks" and not args.compile:
+        p.error("--compile-scope takes effect with --compile only")
+    if args.vocab_multiple > 1024:
+        p.error(f"--vocab-multiple must be at most 1024 (GPT-2's 50,257 rows padded), got {args.vocab_multiple}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if not 0 <= args.dropout < 1:
@@ -225,7 +229,7 @@ def variant_name(args, sharded: bool, world: int) -> str:
     if args.compile:
         parts.append(("compile-model" if args.compile_scope == "model" else "compile")
                      + (f"[{args.compile_mode}]" if args.compile_mode else ""))
-    if args.vocab_multiple > 1:
+    if padded_vocab(args) != GPT2_VOCAB:
         parts.append(f"vocab{padded_vocab(args)}")
     if args.ac:
         parts.append("ac")
@@ -294,7 +298,15 @@ def train(args, rt):
     if args.checkpoint_dir is not None:
         ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
         if args.resume:
-            state = ckpt.load(model, opt, sched)
+            try:
+                state = ckpt.load(model, opt, sched)
+            except RuntimeError as e:
+                if "ize mismatch" not in str(e):
+                    raise
+                raise SystemExit(f"--resume: the checkpoint's model has other shapes than this one ({e}); the "
+                                 f"model flags must match the saved run's, --vocab-multiple too (this run pads "
+                                 f"the vocabulary to {padded_vocab(args):,} rows; before that flag checkpoints "
+                                 f"had GPT-2's 50,257: --vocab-multiple 1)") from None
             if state is not None:
                 start, samples_seen = state["step"], state["samples_seen"]
                 if state.get("global_batch") != global_batch:

@@ -267,4 +267,5 @@ def test_merged_runs_get_fresh_summaries_over_every_seed(tmp_path):
     summaries = [r for r in merged.rows if r["shape"].startswith("seeds ")]
     assert [(r["provider"], r["shape"], r["n"]) for r in summaries] == [("distilled cnn", "seeds 0,1,2", 3)]
     assert summaries[0]["mean"] == pytest.approx((0.96 + 0.92 + 0.94) / 3)
-    assert summaries[0]["run"] == second.run_id
+    assert summaries[0]["run"] == second.run_id and summaries[0]["seed_runs"] == sorted([first.run_id,
+                                                                                         second.run_id])

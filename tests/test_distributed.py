@@ -231,6 +231,8 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
     assert rows == json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [r["step"] for r in rows if r["metric"] == "loss"] == [6]
     assert {r["provider"] for r in rows} == {"single+vocab50304+fused-relu"}
+    with pytest.raises(SystemExit, match="--vocab-multiple"):  # GPT-2's 50,257 rows: not the saved 50,304
+        train_fsdp.main(common[1:] + ["--steps", "8", "--resume", "--vocab-multiple", "1"])
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004",
                                                                      "step_00000006"]
 
@@ -302,6 +304,9 @@ def test_launch_environment_turns_nvlink_multicast_off():
     (["--resume"], "needs --checkpoint-dir"),
     (["--steps", "0"], "must be >= 1"),
     (["--val-fraction", "1.5"], "must be in"),
+    (["--compile-scope", "model"], "with --compile only"),
+    (["--vocab-multiple", "0"], "must be >= 1"),
+    (["--vocab-multiple", "4096"], "at most 1024"),
 ])
 def test_train_fsdp_rejects_bad_arguments(argv, message, capsys):
     from experiments import train_fsdp

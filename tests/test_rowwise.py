@@ -38,6 +38,20 @@ def test_kernel_gives_pytorchs_bits(device, dtype, fp8):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+def test_rows_with_nan_or_inf_get_scales_that_are_not_finite(device, dtype, fp8):
+    # NaN or inf must reach the layer's output (scale x accumulator), never vanish into a finite row.
+    x = torch.randn(4, 300, device=device).to(dtype)
+    x[0, 5], x[1, 299], x[2, 7] = float("nan"), float("inf"), float("-inf")
+    q, scale = torch.ops.fuselab.quantize_rows(x, fp8)
+    q_ref, scale_ref = rowwise._torch_rowwise(x, fp8)
+    assert torch.isnan(scale[0]) and torch.isnan(scale_ref[0])
+    assert scale[1:3].tolist() == scale_ref[1:3].tolist() == [float("inf")] * 2
+    assert torch.equal(scale[3], scale_ref[3]) and _same(q[3], q_ref[3])  # a finite row: the same bits
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_halfway_quotients_round_to_even(device):
     # x / scale lands exactly on k + 0.5: int8 rounds to the even neighbour, as torch.round does.
     halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 125.5, -126.5, 127.0], device=device)

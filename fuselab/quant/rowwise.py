@@ -10,7 +10,10 @@ temporaries, which cost more than the INT8 GEMM saves at prefill sizes. The kern
 twice (the second read from L2) and writes the 1-byte values and the scale once.
 
 Where it runs: the Triton kernel on CUDA and in the interpreter; PyTorch's ops elsewhere, with the
-same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits.
+same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits
+for finite rows. A row holding NaN gets a NaN scale, one holding inf an inf scale (so a quantized
+layer's output row is not finite, as the float layer's); the 1-byte values of such a row are
+unspecified. A static scale is finite: NaN inputs become finite values there (int8 holds no NaN).
 """
 from typing import Tuple
 
@@ -48,8 +51,11 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, QMAX:
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), TINY), QMAX)
+        # A NaN makes the scale NaN, as torch.amax does (tl.max's reduction drops NaN; a sum keeps it):
+        # the layer's output row is then NaN, as the float layer's, never a finite value.
+        scale += tl.sum(tl.where(amax != amax, amax, 0.0), axis=0)
         tl.store(scale_ptr + row, scale)
     for k in range(0, K, BLOCK_K):
         offs = k + tl.arange(0, BLOCK_K)

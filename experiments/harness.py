@@ -313,10 +313,12 @@ def tuned_choice(call: Callable[[], object], kernel_name: str) -> Optional[str]:
     ``kernel_name`` (None if none is found). ``call`` runs once with every launch plan forgotten, so it
     goes through the tuner: a planned launch skips it and would leave ``best_config`` at whichever
     key was tuned last."""
+    from triton.runtime.autotuner import Autotuner
+
     from fuselab.kernels import _runtime
 
-    kernels = {id(k): k for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("fuselab.")
-               for k in [getattr(m, kernel_name, None)] if hasattr(k, "best_config")}.values()
+    kernels = list({id(k): k for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("fuselab.")
+                    for k in [getattr(m, kernel_name, None)] if isinstance(k, Autotuner)}.values())
     for kernel in kernels:  # a call that never reaches the tuner (an empty input, a fallback) names none
         kernel.best_config = None
     _runtime.forget_plans()

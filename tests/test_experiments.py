@@ -757,3 +757,28 @@ def test_report_writes_docs_plots_and_headline(tmp_path, capsys):
     with pytest.raises(SystemExit, match="<!-- results:headline -->"):
         report.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme), "--no-plots"])
     assert readme.read_text() == "# no markers\n"
+
+
+def test_tuned_choice_names_the_config_of_the_calls_own_key(tmp_path, env, monkeypatch):
+    # Benchmarks record the tuner's choice for the timed call: after another shape was tuned, the
+    # config of this call's key (not the last tuned one); None for a call that launches nothing.
+    from experiments.harness import tuned_choice
+    from fuselab import settings
+    from fuselab.kernels import matmul_relu
+    from fuselab.kernels import matmul_relu_triton as module
+
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path))
+    settings.reload()
+    tuner = module.matmul_relu_kernel
+    monkeypatch.setattr(tuner, "cache", {})
+    small = (torch.randn(40, 24), torch.randn(24, 16), torch.randn(16))
+    large = (torch.randn(130, 72), torch.randn(72, 48), torch.randn(48))
+    matmul_relu(*small)
+    (key_small,) = tuner.cache
+    matmul_relu(*large)
+    configs = list(tuner.configs)
+    tuner.cache.update({k: configs[0] if k == key_small else configs[-1] for k in tuner.cache})
+    assert str(configs[0]) != str(configs[-1])
+    assert tuned_choice(lambda: matmul_relu(*large), "matmul_relu_kernel") == str(configs[-1])
+    assert tuned_choice(lambda: matmul_relu(*small), "matmul_relu_kernel") == str(configs[0])
+    assert tuned_choice(lambda: matmul_relu(small[0][:0], *small[1:]), "matmul_relu_kernel") is None

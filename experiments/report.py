@@ -244,6 +244,21 @@ and tiktoken are). The issue's target is >= 45% MFU at batch 8 x 1024 on one H20
         plot=Plot("loss", group=("op",), bar=("provider",), x="step", ylabel="training loss",
                   title="GPT-2 1.31B: training loss"),
     ),
+    "train_ddp": Spec(
+        title="ResNet-18 on Fashion-MNIST (DDP)",
+        prose="""\
+torchvision's ResNet-18 adapted to 28x28 grayscale (3x3 stride-1 stem, no max-pool) trained by
+`experiments/train_ddp.py`: DDP with a `DistributedSampler`, learning rate x world size, SGD with
+Nesterov momentum, warm-up then cosine, bf16 autocast and channels-last on CUDA, random flips.
+images/s over timed windows (evaluations and the first steps left out); test accuracy after every
+epoch (the curve). Shape: ranks x images per rank per step.""",
+        command="python -m experiments.train_ddp --data data/fashion-mnist --epochs 5 --results",
+        views=tuple(View(m, index=("op", "shape", "dtype"), baseline=None, split=(), title=m)
+                    for m in ("images/s per GPU", "final test accuracy", "peak MiB")),
+        hide=("test accuracy", "train loss", "epoch s", "images/s"),
+        plot=Plot("test accuracy", group=("op",), bar=("provider", "shape"), x="epoch", ylabel="test accuracy",
+                  title="ResNet-18 on Fashion-MNIST: test accuracy per epoch"),
+    ),
     "train_mlp": Spec(
         title="Fashion-MNIST MLP, stock vs fuse_linear_relu",
         prose="""\

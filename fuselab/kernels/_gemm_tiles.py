@@ -1,9 +1,18 @@
-"""What every fuselab GEMM kernel shares: the grouped tile order, the 64-bit offset check, the TMA layouts."""
+"""What every fuselab GEMM kernel shares: its configs' form, the grouped tile order, the 64-bit offset
+check, the TMA layouts."""
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+
+def gemm_config(bm: int, bn: int, bk: int, stages: int, warps: int, group_m: int = 8, tma: bool = False,
+                subtile: bool = False) -> triton.Config:
+    """An autotune config of a fuselab GEMM: tile sizes, grouped order, body (pointer or persistent TMA),
+    split epilogue store, warps and pipeline stages."""
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "TMA": tma, "EPILOGUE_SUBTILE": subtile}
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from fuselab.kernels import eager_path
 from fuselab.kernels._autotune import LibraryChoice, autotune, bucket
-from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers, tma_layout
+from fuselab.kernels._gemm_tiles import gemm_config, needs_int64, tile_coords, tile_pointers, tma_layout
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -51,19 +51,13 @@ from fuselab.kernels._runtime import (
 # ----------------------------------------------------------------------------------------------
 
 
-def _config(bm, bn, bk, stages, warps, tma=False, subtile=False, group_m=8):
-    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "TMA": tma,
-            "EPILOGUE_SUBTILE": subtile}
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
-
-
 def gemm_configs(interpret: bool = INTERPRET):
     """Configs timed by the autotuner; pruned per problem by ``_prune_configs``. ``interpret=False``: the
     GPU's list, also under the interpreter (tests run each config there)."""
     if interpret:  # timings mean nothing there: two small tiles exercise the tuner cheaply
-        return [_config(32, 32, 32, 1, 4, group_m=2), _config(16, 32, 16, 1, 4, group_m=2)]
+        return [gemm_config(32, 32, 32, 1, 4, group_m=2), gemm_config(16, 32, 16, 1, 4, group_m=2)]
     # Hopper (sm_90) first: wgmma tiles are 64 rows per warpgroup, so 128x256 wants 8 warps.
-    pointer = [_config(*c) for c in [
+    pointer = [gemm_config(*c) for c in [
         (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
         (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
         (64, 64, 128, 4, 4), (64, 32, 128, 5, 4),  # few rows (M=64): more programs, deeper K
@@ -72,14 +66,14 @@ def gemm_configs(interpret: bool = INTERPRET):
         # row tiles with deep K pipelines keep more of it in flight across more programs.
         (16, 64, 128, 5, 4), (16, 128, 128, 4, 4), (32, 64, 128, 5, 4), (32, 128, 64, 5, 4)]]
     # Persistent TMA body: the next tile's loads start while this tile's epilogue stores.
-    tma = [_config(*c, tma=True, subtile=s) for *c, s in [
+    tma = [gemm_config(*c, tma=True, subtile=s) for *c, s in [
         (128, 256, 64, 3, 8, False), (128, 256, 64, 4, 8, True), (256, 128, 64, 3, 8, False),
         (128, 128, 64, 4, 8, False), (64, 256, 64, 4, 4, False), (128, 128, 32, 4, 8, False)]]
     return pointer + tma
 
 
 # Used when FUSELAB_AUTOTUNE=0: a tile that is good on Hopper for large 16-bit problems.
-HEURISTIC_CONFIG = _config(128, 128, 64, 4, 8)
+HEURISTIC_CONFIG = gemm_config(128, 128, 64, 4, 8)
 
 
 def _cublas_applies(args: dict) -> bool:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
-from fuselab.kernels._gemm_tiles import needs_int64, tile_coords, tile_pointers, tma_layout
+from fuselab.kernels._gemm_tiles import gemm_config, needs_int64, tile_coords, tile_pointers, tma_layout
 from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
@@ -40,31 +40,26 @@ from fuselab.kernels._runtime import (
 # ----------------------------------------------------------------------------------------------
 
 
-def _config(bm, bn, bk, stages, warps, group_m=8, tma=False, subtile=False):
-    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "TMA": tma, "EPILOGUE_SUBTILE": subtile}
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
-
-
 def gemm_configs(interpret: bool = INTERPRET):
     """Configs timed by the autotuner; pruned per problem by ``_prune_configs``. ``interpret=False``: the
     GPU's list, also under the interpreter (tests run each config there)."""
     if interpret:  # timings mean nothing there: two small tiles exercise the tuner cheaply
-        return [_config(32, 32, 32, 1, 4, group_m=2), _config(16, 32, 64, 1, 4, group_m=2)]
+        return [gemm_config(32, 32, 32, 1, 4, group_m=2), gemm_config(16, 32, 64, 1, 4, group_m=2)]
     # Hopper first: 8-bit operands take BLOCK_K=128 (128-byte rows, the widest shared-memory swizzle),
     # and 128x256 tiles want two warpgroups.
-    pointer = [_config(*c) for c in [
+    pointer = [gemm_config(*c) for c in [
         (128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8), (128, 128, 128, 4, 4),
         (64, 256, 128, 4, 4), (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 256, 64, 4, 8),
         (64, 64, 256, 4, 4), (32, 64, 256, 4, 4), (16, 64, 256, 4, 4)]]  # few rows (decode): deeper K
     # Persistent TMA body: the next tile's loads start while this tile's epilogue runs.
-    tma = [_config(*c, tma=True, subtile=sub) for *c, sub in [
+    tma = [gemm_config(*c, tma=True, subtile=sub) for *c, sub in [
         (128, 256, 128, 3, 8, False), (128, 256, 128, 4, 8, True), (256, 128, 128, 3, 8, False),
         (128, 128, 128, 4, 8, False), (128, 128, 128, 5, 4, False), (64, 256, 128, 4, 4, False)]]
     return pointer + tma
 
 
 # Used when FUSELAB_AUTOTUNE=0: a tile that is good on Hopper for large 8-bit problems.
-HEURISTIC_CONFIG = _config(128, 128, 128, 4, 8)
+HEURISTIC_CONFIG = gemm_config(128, 128, 128, 4, 8)
 
 
 # The tuner offers the TMA body on CUDA (every config passed the GPU tests on the H200 at e46da89);

@@ -527,8 +527,8 @@ def test_aoti_package_runs_in_a_process_without_fuselab(tmp_path):
         with torch.no_grad():
             outputs[name] = model(x).float().cpu()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _RUN_AOTI_PACKAGE, str(tmp_path), *names], env=env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _RUN_AOTI_PACKAGE, str(tmp_path), *names],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for name in names:
         loaded = torch.load(tmp_path / f"{name}.aoti.out.pt").float()

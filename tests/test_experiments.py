@@ -270,11 +270,16 @@ def test_explicit_data_must_exist_and_be_whole(capsys, tmp_path, outdirs, monkey
     missing = tmp_path / "missing"
     err = usage_error(capsys, train_mlp.main, ["--data", str(missing), "--epochs", "1"])
     assert f"--data {missing}" in err and "no Fashion-MNIST" in err
+    partial = tmp_path / "partial"  # one of Debian's four files: named, nothing unpacked
+    partial.mkdir()
+    (partial / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip")
+    err = usage_error(capsys, train_mlp.main, ["--data", str(partial), "--epochs", "1"])
+    assert f"Fashion-MNIST at {partial} is incomplete: no train-labels-idx1-ubyte.gz, t10k-images" in err
+    assert not (tmp_path / "cache").exists()
     corrupt = tmp_path / "corrupt"  # Debian's layout, files that are not gzip
     corrupt.mkdir()
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"):
-        (corrupt / f"{name}.gz").write_bytes(b"not gzip")
+    for name in datasets.FASHION_MNIST_FILES:
+        (corrupt / name).write_bytes(b"not gzip")
     for _ in range(2):  # the failed unpacking leaves nothing a second attempt would trust
         err = usage_error(capsys, train_mlp.main, ["--data", str(corrupt), "--epochs", "1"])
         assert "corrupt" in err and str(corrupt) in err

@@ -943,6 +943,131 @@ def test_int8_size_one_dims_on_the_cpu_path(a_shape, b_shape):
     assert torch.equal(out, a.to(torch.int32) @ b.to(torch.int32))
 
 
+@pytest.mark.parametrize("layout", ["a expanded", "b expanded", "a row-padded", "b column-padded", "both transposed"])
+def test_int8_any_operand_strides_on_the_torch_path(layout):
+    # torch._int_mm on a CPU returned garbage for an expanded (stride 0) operand.
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (5, 8), dtype=torch.int8, generator=gen)
+    b = torch.randint(-127, 128, (8, 3), dtype=torch.int8, generator=gen)
+    if layout == "a expanded":
+        a = a[:1].expand(5, 8)
+    elif layout == "b expanded":
+        b = b[:, :1].expand(8, 3)
+    elif layout == "a row-padded":
+        a = torch.cat([a, a], 1)[:, :8]
+    elif layout == "b column-padded":
+        b = torch.cat([b, b]).t().contiguous().t()[:8]
+    else:
+        a, b = a.t().contiguous().t(), b.t().contiguous().t()
+    for backend in ("torch", "auto"):
+        out = int8_matmul(a, b, None, None, backend=backend)
+        assert torch.equal(out, a.to(torch.int32) @ b.to(torch.int32)), (layout, backend)
+
+
+@pytest.mark.parametrize("config", ["int8-dynamic", "int8-static", "fp8"])
+def test_gpt2_conv1d_projections_are_quantized(config):
+    # GPT-2's attention and MLP projections are transformers' Conv1D (x @ W + b, W stored (in, out)): once
+    # left out and not even reported, so 8 of 9 GEMMs stayed float while the report said "left 0 alone".
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+                                  activation_function="relu")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model, fused = fuse_linear_relu(model)
+    assert "transformer.h.0.mlp.c_fc" in fused.fused  # a FusedConv1DReLU: its ReLU goes into the epilogue
+    ids = torch.randint(0, 64, (2, 8))
+    calib = calibrate(model, [{"input_ids": ids}], 1, progress=False)
+    floats = {name: (m.weight.detach().t().clone(), m.bias.detach().clone())
+              for name, m in model.named_modules() if "attn.c_" in name or "mlp.c_" in name}
+    report = quantize_(model, _config(config, model, None) if config != "int8-static"
+                       else Int8StaticActivationInt8WeightConfig(calib.act_scales()), calibration=calib)
+    assert set(floats) | {"lm_head"} <= set(report.replaced), str(report)
+    assert "ReLU fused into the epilogue" in report.replaced["transformer.h.0.mlp.c_fc"]
+    kind = "fp8" if config == "fp8" else "int8"
+    for name, (weight, bias) in floats.items():  # each on its calibration input, against float64
+        layer = model.get_submodule(name)
+        check_layer(layer, weight, bias, calib.samples[name], kind, name.endswith("c_fc"))
+    assert all(e < 0.08 for e in report.errors.values()), report.errors
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_quantized_layers_are_reported_not_silently_passed_over():
+    model = _mlp()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    report = quantize_(model, Float8RowwiseConfig())  # a second config: nothing may look converted to fp8
+    assert not report.replaced
+    assert report.skipped == {n: "already quantized (Int8Linear)" for n in ("0", "2", "4")}
+    with pytest.raises(ValueError, match="no nn.Linear .* to observe; its 3 quantized layer"):
+        calibrate(model, [torch.randn(2, 24)], 1, progress=False)
+
+
+def test_transformer_encoder_layer_keeps_its_float_weights():
+    # nn.TransformerEncoderLayer's inference fast path reads linear1/linear2's weights itself: an int8
+    # weight there raised a dtype error under no_grad.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = layer(x)
+    report = quantize_(layer, Int8DynamicActivationInt8WeightConfig())
+    assert not report.replaced
+    assert "TransformerEncoderLayer: its inference fast path" in report.skipped["linear1"]
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+
+
+def test_int8_layer_past_the_k_limit_is_left_alone():
+    model = nn.Sequential(nn.Linear(int8_gemm.MAX_K + 1, 1))
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    assert "above the int8 GEMM's K limit" in report.skipped["0"] and not report.replaced
+    assert type(model[0]) is nn.Linear
+
+
+def test_static_config_copies_pickles_hashes_and_takes_numpy_and_tensor_scales(tmp_path):
+    import copy
+    import pickle
+
+    import numpy as np
+
+    cfg = Int8StaticActivationInt8WeightConfig({"a": 0.5, "b": np.float32(0.25), "c": torch.tensor(2.0)})
+    assert dict(cfg.act_scales) == {"a": 0.5, "b": 0.25, "c": 2.0}
+    assert all(type(v) is float for v in cfg.act_scales.values())
+    for other in (copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert other == cfg and hash(other) == hash(cfg)
+    torch.save({"config": cfg}, tmp_path / "c.pt")
+    assert torch.load(tmp_path / "c.pt", weights_only=False)["config"] == cfg
+    model = _mlp()
+    report = quantize_(model, Int8StaticActivationInt8WeightConfig(
+        calibrate(model, [torch.randn(4, 24)], 1, progress=False).act_scales()))
+    copy.deepcopy(report)
+    with pytest.raises(TypeError, match="act_scales must map layer names"):
+        Int8StaticActivationInt8WeightConfig([("a", 1.0)])
+    with pytest.raises(ValueError, match=_escaped("act_scales['a'] must be a real number, got str")):
+        Int8StaticActivationInt8WeightConfig({"a": "0.5"})
+
+
+def test_config_and_calibration_arguments_are_checked():
+    with pytest.raises(TypeError, match=_escaped("a config instance, e.g. Int8DynamicActivationInt8WeightConfig()")):
+        quantize_(_mlp(), Int8DynamicActivationInt8WeightConfig)
+    with pytest.raises(TypeError, match="calibration must be what calibrate"):
+        quantize_(_mlp(), Int8DynamicActivationInt8WeightConfig(), calibration={"0": torch.ones(1, 24)})
+    with pytest.raises(TypeError, match="conv2d must be True or False, got 'no'"):
+        Int8DynamicActivationInt8WeightConfig(conv2d="no")
+    with pytest.raises(ValueError, match="n_batches must be a positive int, got True"):
+        calibrate(_mlp(), [torch.randn(2, 24)], True, progress=False)
+
+
+def test_distillation_batch_without_labels_has_a_zero_hard_term():
+    s = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(4, 5, dtype=torch.float64)
+    loss = DistillationLoss(2.0, 0.5)(s, t, torch.full((4,), -100))  # was NaN (cross-entropy's 0 / 0)
+    soft = DistillationLoss(2.0, 1.0)(s, t, torch.full((4,), -100))
+    torch.testing.assert_close(loss, 0.5 * soft)
+    target = torch.tensor([1, -100, 3, 0])  # some labelled rows: cross-entropy's mean over those rows
+    torch.testing.assert_close(DistillationLoss(2.0, 0.0)(s, t, target), F.cross_entropy(s, target))
+
+
 def test_distillation_with_masked_teacher_classes_and_alpha_one():
     s = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     t = torch.randn(4, 5, dtype=torch.float64)

@@ -100,13 +100,15 @@ class FusionReport:
 _FUSED_LAYERS = (FusedLinearReLU, FusedConv1DReLU)
 
 
-def _is_conv1d(layer) -> bool:
+def is_conv1d(layer) -> bool:
+    """Whether ``layer`` is transformers' ``Conv1D`` (GPT-2's projections: ``x @ weight + bias``, weight
+    (in, out)), recognised without importing transformers."""
     return type(layer).__name__ == "Conv1D" and type(layer).__module__ == "transformers.pytorch_utils"
 
 
 def _is_linear_layer(module) -> bool:
     """What the report accounts for: every nn.Linear (subclasses too) and transformers' Conv1D."""
-    return isinstance(module, nn.Linear) or _is_conv1d(module)
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _sharded(module: nn.Module) -> bool:
@@ -123,7 +125,7 @@ def _converted_in_place(layer: nn.Module, cls: type) -> nn.Module:
 def _fused_layer(layer):
     """The converter to a fused layer for ``layer`` (an exact nn.Linear or transformers' Conv1D), else
     None: a new layer sharing its parameters, or for a sharded layer the same object, converted."""
-    cls = FusedLinearReLU if type(layer) is nn.Linear else FusedConv1DReLU if _is_conv1d(layer) else None
+    cls = FusedLinearReLU if type(layer) is nn.Linear else FusedConv1DReLU if is_conv1d(layer) else None
     if cls is None:
         return None
     if _sharded(layer):

@@ -4,9 +4,48 @@ Each config type has a handler in ``quantize.py`` (``register_quantize_module_ha
 holds everything the quantized layers depend on, so the same config gives the same model.
 """
 import math
-import types
+import numbers
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterator, Mapping
+
+import torch
+
+
+class FrozenScales(Mapping):
+    """A read-only layer name -> scale mapping that copies, pickles and hashes (a frozen config's field:
+    the config is saved beside a checkpoint, and must not change after a model was quantized with it)."""
+
+    def __init__(self, scales: Mapping[str, float]):
+        self._scales = dict(scales)
+
+    def __getitem__(self, name: str) -> float:
+        return self._scales[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._scales)
+
+    def __len__(self) -> int:
+        return len(self._scales)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._scales.items()))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"FrozenScales({self._scales!r})"
+
+
+def _positive_scale(name: str, scale) -> float:
+    """``scale`` as a float (a Python, NumPy or one-element tensor real number), or ValueError."""
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.is_floating_point():
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"act_scales[{name!r}] must be a real number, got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"act_scales[{name!r}] must be a positive finite number, got {float(scale)!r}")
+    return float(scale)
 
 
 @dataclass(frozen=True)
@@ -20,23 +59,27 @@ class Int8DynamicActivationInt8WeightConfig:
 
     conv2d: bool = False
 
+    def __post_init__(self):
+        if not isinstance(self.conv2d, bool):
+            raise TypeError(f"conv2d must be True or False, got {self.conv2d!r}")
+
 
 @dataclass(frozen=True)
 class Int8StaticActivationInt8WeightConfig:
     """W8A8 with static activations: weights as in the dynamic config; each layer's input quantized
     with one fixed per-tensor scale, ``act_scales[layer name]`` (``Calibration.act_scales()`` from
-    ``calibrate``). Inputs beyond the calibrated range are clipped to +-127 steps. A layer with no
-    scale here is left alone (the report says so)."""
+    ``calibrate``). Inputs beyond the calibrated range are clipped to +-127 steps, and so are
+    infinities; a NaN input becomes a finite value (a fixed scale carries no per-row NaN: use the
+    dynamic config where NaN must propagate). A layer with no scale here is left alone (the report
+    says so)."""
 
     act_scales: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
-        scales = dict(self.act_scales)
-        for name, scale in scales.items():
-            if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-                raise ValueError(f"act_scales[{name!r}] must be a positive finite number, got {scale!r}")
-        # Read-only: a frozen config must not change after a model was quantized with it.
-        object.__setattr__(self, "act_scales", types.MappingProxyType(scales))
+        if not isinstance(self.act_scales, Mapping):
+            raise TypeError(f"act_scales must map layer names to scales, got {type(self.act_scales).__name__}")
+        scales = {name: _positive_scale(name, scale) for name, scale in self.act_scales.items()}
+        object.__setattr__(self, "act_scales", FrozenScales(scales))
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
     loss = alpha * T^2 * KL(softmax(t / T) || softmax(s / T)) + (1 - alpha) * CE(s, y)
 
-KL summed over classes, both terms averaged over the batch. The T^2 factor keeps the soft term's
-gradient on the scale of the hard term's as T changes (the soft gradients shrink as 1/T^2).
+KL summed over classes and averaged over the batch; CE averaged over the rows that have a label.
+The T^2 factor keeps the soft term's gradient on the scale of the hard term's as T changes (the
+soft gradients shrink as 1/T^2).
 """
 import math
 
@@ -17,10 +18,10 @@ class DistillationLoss(nn.Module):
 
     ``student_logits`` and ``teacher_logits`` are (N, C) floating tensors of one shape, ``target``
     (N,) class indices in [0, C) (-100, cross-entropy's ignore_index, drops a row from the hard term
-    only: the soft term has no target). A teacher logit of -inf (a masked class) adds nothing to the
-    soft term. The math runs in fp32 (float64 inputs stay float64), with
-    autocast off, whatever the logits' dtype. Gradients flow to both logits; compute the teacher's
-    under ``torch.no_grad()`` to train the student alone.
+    only: the soft term has no target; a batch with no label at all has a hard term of 0, not NaN).
+    A teacher logit of -inf (a masked class) adds nothing to the soft term. The math runs in fp32
+    (float64 inputs stay float64), with autocast off, whatever the logits' dtype. Gradients flow to
+    both logits; compute the teacher's under ``torch.no_grad()`` to train the student alone.
 
     Args:
         temperature: T > 0 (finite); T = 1 is plain softmax matching.
@@ -56,7 +57,9 @@ class DistillationLoss(nn.Module):
             soft = kl.sum() / s.shape[0] * (T * T)
             if self.alpha == 1.0:  # no hard term at all: 0 * a NaN cross-entropy would be NaN
                 return soft
-            hard = F.cross_entropy(s, target)
+            # The mean over labelled rows, 0 when there are none (cross_entropy's mean would be 0 / 0)
+            labelled = (target != -100).sum().clamp(min=1)
+            hard = F.cross_entropy(s, target, reduction="sum") / labelled
             return hard if self.alpha == 0.0 else self.alpha * soft + (1.0 - self.alpha) * hard
 
 

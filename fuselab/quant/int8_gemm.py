@@ -43,6 +43,8 @@ def _int32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in int32, exactly, by PyTorch's kernels."""
     if a.shape[1] == 0:
         return a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.int32)
+    # _int_mm reads only dense row- or column-major operands right (an expanded one gives garbage on a CPU)
+    a, b = (t if t.is_contiguous() or t.t().is_contiguous() else t.contiguous() for t in (a, b))
     try:
         if a.is_cpu and 1 in a.shape + b.shape:  # _int_mm on a CPU misreads a size-1 dim's (1, 1) strides
             return a.to(torch.int32) @ b.to(torch.int32)  # exact: int32 partial sums, as the kernels'

@@ -167,3 +167,6 @@ class Int8Conv2d(_QuantizedLinear):
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"padding={self.padding}, dilation={self.dilation}, bias={self.bias is not None}")
+
+
+QUANTIZED_LAYERS = (Int8Linear, Float8Linear, Int8Conv2d)  # what quantize_ makes

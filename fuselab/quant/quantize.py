@@ -1,14 +1,16 @@
 """``quantize_(model, config)``: swap Linear (and Conv2d) layers for quantized ones in place, and say what was done.
 
 torchao's calling convention: a frozen dataclass config (``config.py``) and a handler registered
-per config type (``register_quantize_module_handler``). Exactly ``nn.Linear`` and
-``FusedLinearReLU`` layers are replaced (the latter with its ReLU fused into the quantized GEMM's
-epilogue), and ``nn.Conv2d`` layers where the dynamic int8 config says ``conv2d=True``; other Linear
-subclasses, other convolutions, and layers whose swap could change what the model computes
-(hooks, parametrizations, unsupported dtypes or devices), are left alone, with the reason in the
-report. Every decision is made before anything changes. ``calibrate`` runs a few batches through
-the float model to record each layer's input range (static activation scales) and a sample of its
-inputs, on which the report measures each quantized layer's error against its float layer.
+per config type (``register_quantize_module_handler``). Exactly ``nn.Linear``, transformers'
+``Conv1D`` (GPT-2's projections, a Linear with its weight stored transposed) and their fused
+``FusedLinearReLU`` / ``FusedConv1DReLU`` layers are replaced (the fused ones with the ReLU in the
+quantized GEMM's epilogue), and ``nn.Conv2d`` layers where the dynamic int8 config says
+``conv2d=True``; other Linear subclasses, other convolutions, layers already quantized, and layers
+whose swap could change what the model computes (hooks, parametrizations, a parent that reads the
+float weight itself, unsupported dtypes or devices), are left alone, with the reason in the report.
+Every decision is made before anything changes. ``calibrate`` runs a few batches through the float
+model to record each layer's input range (static activation scales) and a sample of its inputs, on
+which the report measures each quantized layer's error against its float layer.
 """
 import math
 from dataclasses import dataclass, field
@@ -19,15 +21,16 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.nn.fuse import why_not_swapped
-from fuselab.nn.linear_relu import FusedLinearReLU
+from fuselab.nn.fuse import is_conv1d, why_not_swapped
+from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 from fuselab.quant.config import (
     Float8RowwiseConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8StaticActivationInt8WeightConfig,
 )
 from fuselab.quant.fp8_gemm import check_fp8_device
-from fuselab.quant.modules import Float8Linear, Int8Conv2d, Int8Linear, why_not_int8_conv2d
+from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
+from fuselab.quant.modules import QUANTIZED_LAYERS, Float8Linear, Int8Conv2d, Int8Linear, why_not_int8_conv2d
 from fuselab.quant.rowwise import INT8_QMAX
 
 # ----------------------------------------------------------------------------------------------
@@ -60,22 +63,41 @@ def register_quantize_module_handler(config_type: type, why_not: Callable = _no_
     return decorate
 
 
-@register_quantize_module_handler(Int8DynamicActivationInt8WeightConfig)
-def _int8_dynamic(layer, relu, name, config):
-    if isinstance(layer, nn.Conv2d):  # only offered with conv2d=True (_replaced_types)
-        return Int8Conv2d.from_float(layer)
-    return Int8Linear.from_float(layer, relu=relu)
+def _as_linear(layer: nn.Module) -> nn.Module:
+    """``layer`` as the nn.Linear it computes: itself, or for a (fused) Conv1D, whose weight is stored
+    (in, out), a Linear holding the transposed weight and the same bias (only read: to be quantized)."""
+    if isinstance(layer, nn.Linear):
+        return layer
+    weight = layer.weight.detach()
+    linear = nn.Linear(weight.shape[0], weight.shape[1], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)
+    linear.bias = layer.bias
+    return linear
 
 
-def _no_static_scale(layer, name, config) -> Optional[str]:
-    if name not in config.act_scales:
-        return "no calibrated activation scale in the config (not called while calibrating?)"
+def _int8_k_limit(layer, name, config) -> Optional[str]:
+    if not isinstance(layer, nn.Conv2d) and _as_linear(layer).in_features > INT8_MAX_K:  # Conv2d: why_not_int8_conv2d
+        return (f"in_features = {_as_linear(layer).in_features} is above the int8 GEMM's K limit {INT8_MAX_K} "
+                "(its int32 sums could overflow)")
     return None
 
 
-@register_quantize_module_handler(Int8StaticActivationInt8WeightConfig, why_not=_no_static_scale)
+@register_quantize_module_handler(Int8DynamicActivationInt8WeightConfig, why_not=_int8_k_limit)
+def _int8_dynamic(layer, relu, name, config):
+    if isinstance(layer, nn.Conv2d):  # only offered with conv2d=True (_replaced_types)
+        return Int8Conv2d.from_float(layer)
+    return Int8Linear.from_float(_as_linear(layer), relu=relu)
+
+
+def _int8_static_why_not(layer, name, config) -> Optional[str]:
+    if name not in config.act_scales:
+        return "no calibrated activation scale in the config (not called while calibrating?)"
+    return _int8_k_limit(layer, name, config)
+
+
+@register_quantize_module_handler(Int8StaticActivationInt8WeightConfig, why_not=_int8_static_why_not)
 def _int8_static(layer, relu, name, config):
-    return Int8Linear.from_float(layer, relu=relu, act_scale=config.act_scales[name])
+    return Int8Linear.from_float(_as_linear(layer), relu=relu, act_scale=config.act_scales[name])
 
 
 def _no_fp8_hardware(layer, name, config) -> Optional[str]:
@@ -84,7 +106,7 @@ def _no_fp8_hardware(layer, name, config) -> Optional[str]:
 
 @register_quantize_module_handler(Float8RowwiseConfig, why_not=_no_fp8_hardware)
 def _float8_rowwise(layer, relu, name, config):
-    return Float8Linear.from_float(layer, relu=relu)
+    return Float8Linear.from_float(_as_linear(layer), relu=relu)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +116,7 @@ def _float8_rowwise(layer, relu, name, config):
 
 @dataclass(frozen=True)
 class Calibration:
-    """What ``calibrate`` saw at each Linear layer's input: the largest |value| (``absmax``) and the
+    """What ``calibrate`` saw at each Linear (or Conv1D) layer's input: the largest |value| (``absmax``) and the
     first inputs, as (rows, in_features) (``samples``), over ``n_batches`` batches."""
 
     absmax: Mapping[str, float]
@@ -149,12 +171,13 @@ def calibration_batches(loader: Iterable, n_batches: int, device, desc: str, pro
 def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows: int = 256,
               progress: bool = True) -> Calibration:
     """Run ``n_batches`` batches of ``loader`` through ``model`` (eval mode, no grad; the mode is
-    restored) and record, for every ``nn.Linear`` (by module name), its input's absmax and its first
-    ``sample_rows`` input rows. A batch is a tensor, a ``(x, target, ...)`` tuple or list (x is
-    passed), or a dict of keyword arguments; tensors are moved to the model's device. A progress
-    bar is shown if tqdm is installed and ``progress``. Raises ValueError if ``n_batches < 1`` or the
-    loader runs out first."""
-    if not (isinstance(n_batches, int) and n_batches >= 1):
+    restored) and record, for every ``nn.Linear`` and transformers ``Conv1D`` (by module name), its
+    input's absmax and its first ``sample_rows`` input rows. A batch is a tensor, a ``(x, target,
+    ...)`` tuple or list (x is passed), or a dict of keyword arguments; tensors are moved to the
+    model's device. A progress bar is shown if tqdm is installed and ``progress``. Raises ValueError
+    if ``n_batches < 1``, the loader runs out first, or the model has no such layer (a model
+    quantized already, say)."""
+    if isinstance(n_batches, bool) or not (isinstance(n_batches, int) and n_batches >= 1):
         raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
     absmax: Dict[str, float] = {}
     samples: Dict[str, List[torch.Tensor]] = {}
@@ -173,8 +196,13 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
         return hook
 
     device = next((p.device for p in model.parameters()), None)
-    handles = [m.register_forward_pre_hook(record(name)) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear)]
+    layers = [(name, m) for name, m in model.named_modules() if _linear_like(m)]
+    if not layers:
+        quantized = sum(isinstance(m, QUANTIZED_LAYERS) for m in model.modules())
+        raise ValueError("calibrate: the model has no nn.Linear (or Conv1D) layer to observe"
+                         + (f"; its {quantized} quantized layer(s) say it was quantized already: calibrate the "
+                            "float model" if quantized else ""))
+    handles = [m.register_forward_pre_hook(record(name)) for name, m in layers]
     training = {m: m.training for m in model.modules()}
     seen = 0
     try:
@@ -233,23 +261,45 @@ def relative_error(float_layer: nn.Module, quantized_layer: nn.Module, x: torch.
 # ----------------------------------------------------------------------------------------------
 
 _REPLACED = (nn.Linear, FusedLinearReLU)  # exactly these types: a subclass's forward may compute something else
+_RELU_FUSED = (FusedLinearReLU, FusedConv1DReLU)
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """A layer that computes ``x @ W^T + b`` (then a ReLU, fused) that quantize_ accounts for: any
+    nn.Linear (subclasses too, to say why they are left), transformers' Conv1D, FusedConv1DReLU."""
+    return isinstance(module, (nn.Linear, FusedConv1DReLU)) or is_conv1d(module)
 
 
 def _replaced_types(config: Any) -> Tuple[type, ...]:
-    """The layer types ``config`` replaces: Linear (and FusedLinearReLU), and Conv2d where it asks for them."""
+    """The layer types ``config`` replaces (besides transformers' Conv1D): Linear (and FusedLinearReLU,
+    FusedConv1DReLU), and Conv2d where it asks for them."""
     convs = isinstance(config, Int8DynamicActivationInt8WeightConfig) and config.conv2d
-    return _REPLACED + ((nn.Conv2d,) if convs else ())
+    return _REPLACED + (FusedConv1DReLU,) + ((nn.Conv2d,) if convs else ())
 
 
-def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED) -> Optional[str]:
-    """Why a swap of ``layer`` would not compute what the config specifies (None: it would)."""
+# Parents whose own forward reads a child Linear's float weight (not through the child's forward).
+_READS_CHILD_WEIGHTS = {nn.TransformerEncoderLayer: "its inference fast path "
+                                                    "(torch._transformer_encoder_layer_fwd) reads linear1/linear2's "
+                                                    "weights directly"}
+
+
+def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED,
+                       parents: Tuple[nn.Module, ...] = ()) -> Optional[str]:
+    """Why a swap of ``layer`` (a child of ``parents``) would not compute what the config specifies
+    (None: it would)."""
+    if isinstance(layer, QUANTIZED_LAYERS):
+        return f"already quantized ({type(layer).__name__})"
     if isinstance(layer, _ConvNd) and type(layer) not in replaced:
         return (f"a {type(layer).__name__}: quantize_ replaces nn.Conv2d only, with "
                 "Int8DynamicActivationInt8WeightConfig(conv2d=True)")
-    if type(layer) not in replaced:
+    if type(layer) not in replaced and not is_conv1d(layer):
         cls = type(layer)
         names = " or ".join(("nn." if t.__module__.startswith("torch.nn") else "") + t.__name__ for t in replaced)
         return f"a {cls.__module__}.{cls.__qualname__}, not exactly {names} (its forward may differ)"
+    for parent in parents:
+        for kind, why in _READS_CHILD_WEIGHTS.items():
+            if isinstance(parent, kind):
+                return f"inside an nn.{kind.__name__}: {why}"
     why = why_not_swapped(layer)
     if why is not None:
         return why
@@ -260,27 +310,33 @@ def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED)
         return f"on the {weight.device.type} device: the quantized GEMMs run on cpu and cuda"
     if isinstance(layer, nn.Conv2d):
         return why_not_int8_conv2d(layer)
-    if layer.in_features == 0 or layer.out_features == 0:
+    if weight.numel() == 0:
         return "has no input or no output features"
     return None
 
 
-def _layer_sites(model: nn.Module,
-                 types: Tuple[type, ...]) -> Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]]:
-    """Every module of ``types`` under ``model`` (not ``model`` itself): id -> (first name, layer, [(parent, key)])."""
+def _layer_sites(model: nn.Module, accounted: Callable[[nn.Module], bool]
+                 ) -> Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]]:
+    """Every module under ``model`` (not ``model`` itself) that ``accounted(module)`` holds for:
+    id -> (first name, layer, [(parent, key)])."""
     sites: Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]] = {}
     for parent_name, parent in model.named_modules(remove_duplicate=False):
         for key, child in parent._modules.items():
-            if isinstance(child, types):
+            if child is not None and accounted(child):
                 name = f"{parent_name}.{key}" if parent_name else key
                 sites.setdefault(id(child), (name, child, []))[2].append((parent, key))
     return sites
 
 
+def _accounted(module: nn.Module) -> bool:
+    """What the report accounts for: every Linear-like layer, every convolution, every quantized layer."""
+    return _linear_like(module) or isinstance(module, (_ConvNd, *QUANTIZED_LAYERS))
+
+
 def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[str, nn.Module], bool]] = None,
               calibration: Optional[Calibration] = None) -> QuantizationReport:
-    """Replace ``model``'s ``nn.Linear`` and ``FusedLinearReLU`` layers (and ``nn.Conv2d`` where the
-    config says ``conv2d=True``) with quantized ones, in place.
+    """Replace ``model``'s ``nn.Linear``, transformers ``Conv1D``, ``FusedLinearReLU`` and ``FusedConv1DReLU``
+    layers (and ``nn.Conv2d`` where the config says ``conv2d=True``) with quantized ones, in place.
 
     ``config``: an ``Int8DynamicActivationInt8WeightConfig``, ``Int8StaticActivationInt8WeightConfig``
     or ``Float8RowwiseConfig`` (or a type registered with ``register_quantize_module_handler``).
@@ -288,29 +344,37 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     the float model) the report holds each replaced layer's relative error on its sampled inputs.
     A Linear followed by a separate ReLU keeps the ReLU outside the GEMM: ``fuse_linear_relu`` first
     makes such pairs FusedLinearReLU, which this fuses into the epilogue. A layer shared by several
-    parents is replaced everywhere by one quantized layer. Returns the report; raises TypeError for
-    an unknown config type, and if ``filter_fn`` raises, nothing is changed.
+    parents is replaced everywhere by one quantized layer. Returns the report (layers already
+    quantized are listed as left alone); raises TypeError for an unknown config type, a config class
+    passed for an instance and a ``calibration`` that is not a Calibration; if ``filter_fn`` raises,
+    nothing is changed.
     """
+    if isinstance(config, type) and config in _HANDLERS:
+        raise TypeError(f"quantize_ takes a config instance, e.g. {config.__name__}(), not the class")
     handler = _HANDLERS.get(type(config))
     if handler is None:
         known = ", ".join(sorted(t.__name__ for t in _HANDLERS))
         raise TypeError(f"no quantize_ handler for {type(config).__name__}; known configs: {known}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be what calibrate() returns (a Calibration), got "
+                        f"{type(calibration).__name__}")
     report = QuantizationReport(config=config)
     planned = []
     replaced = _replaced_types(config)
-    for name, layer, parents in _layer_sites(model, (nn.Linear, _ConvNd)).values():
-        why = _why_not_quantized(layer, replaced) or handler.why_not(layer, name, config)
+    for name, layer, parents in _layer_sites(model, _accounted).values():
+        why = (_why_not_quantized(layer, replaced, tuple(p for p, _ in parents))
+               or handler.why_not(layer, name, config))
         if why is None and filter_fn is not None and not filter_fn(name, layer):
             why = "vetoed by filter_fn"
         if why is not None:
             report.skipped[name] = why
         else:
             planned.append((name, layer, parents))
-    if isinstance(model, (nn.Linear, _ConvNd)):
+    if _accounted(model):
         report.skipped[""] = "the model itself: quantize_ replaces submodules in place"
     # Every decision is made: conversions and assignments from here on.
     for name, layer, parents in planned:
-        relu = type(layer) is FusedLinearReLU
+        relu = type(layer) in _RELU_FUSED
         quantized = handler.convert(layer, relu, name, config)
         for parent, key in parents:
             setattr(parent, key, quantized)

@@ -661,6 +661,9 @@ def main(argv=None):
         Study(saved).refresh_summaries()
         saved.save(out)
     text = summary(saved)
+    if args.tiny:  # a chance-level student here is a smoke run's, not distillation failing
+        text = ("--tiny: a smoke run of the machinery (tiny models, a few hundred images, 2 epochs); its "
+                "accuracies mean nothing.\n\n" + text)
     print("\n" + text)
     out.with_suffix(".md").write_text(f"# {STUDY}\n\n{text}\n")
     png = plot(saved, out.with_suffix(".png"))

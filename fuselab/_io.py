@@ -13,6 +13,7 @@ def write_json_atomic(path: Path, data, **dump_kwargs) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _file_mode(path))  # mkstemp's 0600 would make a shipped or shared file unreadable to others
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, **dump_kwargs)
             f.write("\n")
@@ -21,6 +22,16 @@ def write_json_atomic(path: Path, data, **dump_kwargs) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _file_mode(path: Path) -> int:
+    """The mode a rewrite of ``path`` keeps: its own, or for a new file what open() would give (0666 less the umask)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0o022)  # read it back: there is no other way to ask
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _number(text: str, kind, lowest, inclusive: bool, what: str):

@@ -435,6 +435,8 @@ def test_lr_scheduler_and_closure():
     (dict(betas="ab"), "betas must be a pair"), (dict(betas=(0.9, None)), "beta2 None"),
     (dict(betas=(0.9, float("nan"))), "beta2 nan"), (dict(betas=(True, 0.9)), "beta1 True"),
     (dict(lr=float("nan")), "learning rate"),
+    (dict(lr=torch.tensor(0.01), foreach=True), "a tensor lr needs fused=True or foreach=False"),  # was at step()
+    (dict(lr=torch.tensor([0.01, 0.02])), "a tensor lr must have one element"),
 ])
 def test_bad_hyperparameters(kwargs, words):
     with pytest.raises(ValueError, match=words):

@@ -7,8 +7,10 @@ never into the package.
 import importlib
 import json
 import logging
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -357,6 +359,8 @@ def test_bad_arguments_exit_with_a_clear_message(argv, words, capsys):
     ('[{"shapes": [[8, 8, 8]], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd"], "x": 1}]', "unknown keys"),
     ('{"not": "a list"}', "non-empty list of blocks"),
     ("[{", "is not JSON"),
+    ('[{"kernel": ["x"], "shapes": [[8, 8, 8]], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd"]}]',
+     "unknown kernel ['x']"),
 ])
 def test_bad_grid_files_are_named(tmp_path, capsys, content, words):
     path = tmp_path / "grid.json"
@@ -365,3 +369,84 @@ def test_bad_grid_files_are_named(tmp_path, capsys, content, words):
         main(["--dry-run", "--grid", str(path), "--out", str(tmp_path / "out.json")])
     err = capsys.readouterr().err
     assert words in err and str(path) in err
+
+
+# ----------------------------------------------------------------------------------------------
+# Found by a skeptical-user probe: lost results, full-size shapes in the interpreter, late errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_first_call_records_a_timed_out_case_and_saves_each_case(tmp_path):
+    from fuselab.tune import checks
+
+    problems = grid.problems([{"shapes": [[64, 48, 32], [20, 40, 24]], "dtypes": ["bf16"], "layouts": ["matmul"],
+                               "ops": ["fwd"]}], KERNELS)
+    saved = []
+    results = checks.first_call(problems, sweep.Options(mode="wall"), None, timeout_s=0.01,
+                                save=lambda r: saved.append(len(r.failed)))
+    assert saved == [2, 4]  # after each case, each process timed out (it raised TimeoutExpired, losing all)
+    assert {f["error"] for f in results.failed} == {"timed out after 0.01 s"}
+
+
+def test_dry_run_checks_default_to_the_tiny_shapes():
+    from fuselab.tune.__main__ import _check_problems, parser
+
+    for flag in ("--check-heldout", "--first-call"):
+        args = parser().parse_args([flag, "--dry-run"])
+        assert {(p.M, p.N, p.K) for p in _check_problems(None, args)} == set(grid.TINY_SHAPES)
+
+
+@pytest.mark.parametrize("where,words", [("folder", "is a folder"), ("under a file", "cannot write under")])
+def test_a_bad_out_is_refused_before_any_timing(tmp_path, capsys, where, words):
+    (tmp_path / "file").write_text("")
+    out = tmp_path if where == "folder" else tmp_path / "file" / "x.json"
+    for argv in (["--dry-run"], ["--check-heldout", "--dry-run"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--out", str(out)])
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_plot_refuses_what_is_not_a_sweep(swept, tmp_path, capsys):
+    for name, content in (("heldout.json", json.dumps({"study": "tune_heldout", "rows": []})),
+                          ("grid.json", "[]"), ("broken.json", "{")):
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(SystemExit):
+            main(["--plot", str(path)])
+        err = capsys.readouterr().err
+        assert "plots a sweep's results" in err or "not JSON" in err, err
+        assert not (tmp_path / f"{path.stem}-plots").exists()
+
+
+def test_results_and_configs_files_are_readable_by_others(tmp_path):
+    from fuselab._io import write_json_atomic
+
+    path = write_json_atomic(tmp_path / "new.json", {})
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # mkstemp's 0600 made shipped files private
+    path.chmod(0o640)
+    write_json_atomic(path, {"again": 1})
+    assert path.stat().st_mode & 0o777 == 0o640  # a rewrite keeps the file's mode
+
+
+def test_sigterm_to_the_dry_run_launcher_ends_its_interpreter_process(tmp_path):
+    # --dry-run without TRITON_INTERPRET re-runs itself in a child process; a SIGTERM to the parent alone
+    # left the child sweeping (and writing the results) on its own.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FUSELAB_CACHE_DIR"] = str(tmp_path / "cache")
+    parent = subprocess.Popen([sys.executable, "-m", "fuselab.tune", "--dry-run", "--out", str(tmp_path / "r.json")],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not children.read_text().split():
+        time.sleep(0.05)
+    child = int(children.read_text().split()[0])
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=120) in (130, 143)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]

@@ -10,6 +10,13 @@ from fuselab.kernels.sparse_adamw import sparse_adamw_update_
 
 def _check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of a parameter group."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):  # torch.optim.AdamW's own checks, made here at construction too
+        if lr.numel() != 1:
+            raise ValueError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
+        if group["foreach"] and not group["fused"]:
+            raise ValueError("a tensor lr needs fused=True or foreach=False for dense parameters (torch.optim.AdamW's "
+                             "foreach path takes a tensor lr only with capturable=True)")
     if not 0.0 <= group["lr"]:
         raise ValueError(f"invalid learning rate {group['lr']}: must be >= 0")
     if not 0.0 <= group["eps"]:

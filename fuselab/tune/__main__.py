@@ -1,6 +1,7 @@
 """``python -m fuselab.tune``: see the package docstring (``python -m fuselab.tune --help``)."""
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _check_problems(p: argparse.ArgumentParser, args) -> List[grid.Problem]:
     first = args.first_call
-    shapes = grid.parse_shapes(args.shapes) if args.shapes else (grid.BENCHMARK_SHAPES if first else
-                                                                    grid.HELDOUT_SHAPES)
+    defaults = grid.TINY_SHAPES if INTERPRET else grid.BENCHMARK_SHAPES if first else grid.HELDOUT_SHAPES
+    shapes = grid.parse_shapes(args.shapes) if args.shapes else defaults
     block = {"shapes": [list(s) for s in shapes], "dtypes": (args.dtypes or "bf16").split(","),
              "layouts": (args.layouts or ("matmul" if first else "linear,matmul")).split(","),
              "ops": (args.ops or ("fwd" if first else "fwd,bwd")).split(",")}
@@ -82,6 +83,33 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error("--write-configs, --budget-min, --resume and --overwrite are the sweep's")
     if args.dirty and args.commit is None:
         p.error("--dirty describes --commit: give both")
+    if args.out is not None:  # before any timing, not when the results are first saved
+        if args.out.is_dir():
+            p.error(f"--out {args.out} is a folder: give the results file's path")
+        folder = next((d for d in [args.out.parent, *args.out.parent.parents] if d.exists()), Path("."))
+        if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+            p.error(f"--out {args.out}: cannot write under {folder}")
+
+
+def _run_in_interpreter(argv: List[str]) -> int:
+    """--dry-run: this command again in a process with TRITON_INTERPRET=1 (read when Triton loads).
+    Ctrl-C reaches both processes (one process group): this one waits for the other to save and
+    exit; a SIGTERM sent to this one alone is passed on, so no orphan keeps writing the results."""
+    child = subprocess.Popen([sys.executable, "-m", "fuselab.tune", *argv], env=dict(os.environ, TRITON_INTERPRET="1"))
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))}
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
+
+
+def _interrupted(out: Path) -> int:
+    saved = f"what was measured is saved in {out}" if out.exists() else f"nothing was saved yet ({out})"
+    print(f"\ninterrupted: {saved}", file=sys.stderr)
+    return 130
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -94,12 +122,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         if not args.plot.is_file():
             p.error(f"--plot {args.plot}: no such file")
-        for path in plot_sweep(args.plot, args.plot_dir or args.plot.with_name(args.plot.stem + "-plots")):
+        try:
+            paths = plot_sweep(args.plot, args.plot_dir or args.plot.with_name(args.plot.stem + "-plots"))
+        except ValueError as e:
+            p.error(f"--plot {args.plot}: {e}")
+        for path in paths:
             print(path)
         return 0
     if args.dry_run and not INTERPRET:  # the interpreter is chosen before Triton loads: a new process
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        return subprocess.call([sys.executable, "-m", "fuselab.tune", *argv], env=env)
+        return _run_in_interpreter(argv)
     grid_name = args.grid or ("tiny" if args.dry_run else "default")
     try:
         problems = _check_problems(p, args) if args.check_heldout or args.first_call else grid.load(grid_name, KERNELS)
@@ -118,14 +149,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check_heldout or args.first_call:
             run = checks.check_heldout if args.check_heldout else checks.first_call
             kwargs = {"rounds": args.rounds} if args.check_heldout else {}
-            results = run(problems, options, args.configs_dir, **kwargs)
+            try:
+                results = run(problems, options, args.configs_dir, save=lambda r: r.save(out), **kwargs)
+            except KeyboardInterrupt:
+                return _interrupted(out)
             print(f"saved {results.save(out)}")
             return 0
         try:
             outcome = sweep(problems, out, options, resume=args.resume, overwrite=args.overwrite)
         except KeyboardInterrupt:
-            print(f"\ninterrupted: what was measured is saved in {out}; --resume continues", file=sys.stderr)
-            return 130
+            code = _interrupted(out)
+            print("--resume continues the sweep", file=sys.stderr)
+            return code
         print(summary(outcome.results))
         state = f"{outcome.left} timings left: run again with --resume" if outcome.left else "the sweep is complete"
         print(f"{outcome.timed} configs timed; {state} ({out})")

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -29,7 +29,16 @@ from fuselab._results import Results, environment
 from fuselab.kernels import _autotune
 from fuselab.tune.grid import Problem
 from fuselab.tune.kernels import KERNELS, device
-from fuselab.tune.sweep import Options, SweepError, measure, plan, prepare, progress, short_name
+from fuselab.tune.sweep import (
+    Options,
+    SweepError,
+    measure,
+    plan,
+    prepare,
+    progress,
+    short_name,
+    terminated_as_interrupt,
+)
 
 HELDOUT_TARGET = 1.05
 FIRST_CALL_TARGET_S = 0.5
@@ -41,12 +50,17 @@ def _table(header: List[str], lines: List[list]) -> str:
     return "\n".join([fmt.format(*header)] + [fmt.format(*map(str, line)) for line in lines])
 
 
+def _no_save(results: Results) -> None:
+    return None
+
+
 def check_heldout(problems: List[Problem], options: Options, directory: Optional[Path] = None,
-                  rounds: int = 3) -> Results:
-    """Shipped choice vs exhaustive best per launch of each problem (module docstring); prints a table."""
+                  rounds: int = 3, save: Callable[[Results], None] = _no_save) -> Results:
+    """Shipped choice vs exhaustive best per launch of each problem (module docstring); prints a table.
+    ``save(results)`` runs after each problem (an interrupted check keeps what it measured)."""
     dev = device()
     if dev is None:
-        raise SweepError("--check-heldout needs a CUDA GPU (or the Triton interpreter)")
+        raise SweepError("--check-heldout needs a CUDA GPU (or --dry-run, the Triton interpreter: the machinery only)")
     path = _autotune.shipped_configs_path(None, directory)
     results = Results("tune_heldout")
     results.start_run({**environment(options.commit, options.dirty), "configs_file": str(path), "rounds": rounds})
@@ -54,15 +68,17 @@ def check_heldout(problems: List[Problem], options: Options, directory: Optional
     bar = progress(len(problems), "held-out", unit="problem")
     lines = []
     try:
-        for problem in problems:
-            entry = KERNELS[problem.kernel]
-            checked = set()  # the bwd op launches the forward again
-            with entry.context(problem):
-                for launch in entry.launches(problem, dev, torch.randn, execute=True):
-                    if (launch.kernel, launch.key) not in checked:
-                        checked.add((launch.kernel, launch.key))
-                        lines.append(_check_launch(results, problem, launch, path, options, rounds))
-            bar.update(1)
+        with terminated_as_interrupt():
+            for problem in problems:
+                entry = KERNELS[problem.kernel]
+                checked = set()  # the bwd op launches the forward again
+                with entry.context(problem):
+                    for launch in entry.launches(problem, dev, torch.randn, execute=True):
+                        if (launch.kernel, launch.key) not in checked:
+                            checked.add((launch.kernel, launch.key))
+                            lines.append(_check_launch(results, problem, launch, path, options, rounds))
+                save(results)
+                bar.update(1)
     finally:
         bar.close()
     print(_table(["shape", "dtype", "layout", "product", "shipped", "exhaustive best", "shipped/best", "ok"], lines))
@@ -107,8 +123,9 @@ def _check_launch(results, problem, launch, path, options, rounds) -> list:
 
 
 def first_call(problems: List[Problem], options: Options, directory: Optional[Path] = None,
-               timeout_s: float = 600) -> Results:
-    """Each problem's ops, first call in a fresh process, cold then warm Triton cache (module docstring)."""
+               timeout_s: float = 600, save: Callable[[Results], None] = _no_save) -> Results:
+    """Each problem's ops, first call in a fresh process, cold then warm Triton cache (module docstring);
+    a case past ``timeout_s`` is recorded as failed. ``save(results)`` runs after each case."""
     if device() is None:
         raise SweepError("--first-call needs a CUDA GPU (or --dry-run, the Triton interpreter: the machinery only)")
     results = Results("tune_first_call")
@@ -118,33 +135,43 @@ def first_call(problems: List[Problem], options: Options, directory: Optional[Pa
     bar = progress(2 * len(cases), "first calls", unit="process")
     lines = []
     try:
-        for problem, op in cases:
-            with tempfile.TemporaryDirectory(prefix="fuselab-first-call-") as tmp:
-                env = dict(os.environ, FUSELAB_CACHE_DIR=str(Path(tmp) / "fuselab"),
-                           TRITON_CACHE_DIR=str(Path(tmp) / "triton"))
-                spec = {"kernel": problem.kernel, "M": problem.M, "N": problem.N, "K": problem.K,
-                        "dtype": problem.dtype, "layout": problem.layout, "op": op,
-                        "configs_dir": str(directory) if directory else None}
-                line = [problem.shape, problem.dtype, problem.layout, op]
-                for provider in ("cold Triton cache", "warm Triton cache"):
-                    common = dict(op=op, provider=provider, shape=problem.shape, dtype=problem.dtype,
-                                  mode=options.mode)
-                    run = subprocess.run([sys.executable, "-m", "fuselab.tune.first_call", json.dumps(spec)], env=env,
-                                         capture_output=True, text=True, timeout=timeout_s)
-                    bar.update(1)
-                    try:
-                        out = json.loads(run.stdout.strip().splitlines()[-1])
-                    except (ValueError, IndexError):
-                        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
-                        results.fail(**common, error=f"exit status {run.returncode}: {tail}")
-                        line += ["failed", "-"]
-                        continue
-                    results.record(**common, metric="first call s", value=(out["seconds"],) * 3, layout=problem.layout,
-                                   tunings=out["tunings"], configs=out["configs"])
-                    line += [f"{out['seconds']:.3f}", len(out["tunings"])]
-                lines.append(line)
+        with terminated_as_interrupt():
+            for problem, op in cases:
+                lines.append(_first_call_case(results, problem, op, options, directory, timeout_s, bar))
+                save(results)
     finally:
         bar.close()
     print(_table(["shape", "dtype", "layout", "op", "cold s", "keys tuned", "warm s", "keys tuned"], lines))
     print(f"target: <= {FIRST_CALL_TARGET_S} s and no key tuned (the shipped file covers the shape)")
     return results
+
+
+def _first_call_case(results: Results, problem: Problem, op: str, options: Options, directory: Optional[Path],
+                     timeout_s: float, bar) -> list:
+    """One case's two processes (cold, then warm Triton cache), recorded; its table line."""
+    line = [problem.shape, problem.dtype, problem.layout, op]
+    with tempfile.TemporaryDirectory(prefix="fuselab-first-call-") as tmp:
+        env = dict(os.environ, FUSELAB_CACHE_DIR=str(Path(tmp) / "fuselab"), TRITON_CACHE_DIR=str(Path(tmp) / "triton"))
+        spec = {"kernel": problem.kernel, "M": problem.M, "N": problem.N, "K": problem.K, "dtype": problem.dtype,
+                "layout": problem.layout, "op": op, "configs_dir": str(directory) if directory else None}
+        for provider in ("cold Triton cache", "warm Triton cache"):
+            common = dict(op=op, provider=provider, shape=problem.shape, dtype=problem.dtype, mode=options.mode)
+            try:
+                run = subprocess.run([sys.executable, "-m", "fuselab.tune.first_call", json.dumps(spec)], env=env,
+                                     capture_output=True, text=True, timeout=timeout_s)
+                out = json.loads(run.stdout.strip().splitlines()[-1])
+            except subprocess.TimeoutExpired:
+                results.fail(**common, error=f"timed out after {timeout_s:g} s")
+                line += ["timed out", "-"]
+                continue
+            except (ValueError, IndexError):
+                tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+                results.fail(**common, error=f"exit status {run.returncode}: {tail}")
+                line += ["failed", "-"]
+                continue
+            finally:
+                bar.update(1)
+            results.record(**common, metric="first call s", value=(out["seconds"],) * 3, layout=problem.layout,
+                           tunings=out["tunings"], configs=out["configs"])
+            line += [f"{out['seconds']:.3f}", len(out["tunings"])]
+    return line

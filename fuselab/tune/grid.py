@@ -21,6 +21,7 @@ BENCHMARK_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 1024), 
                     (16384, 4096, 512), (1024, 2048, 512), (64, 4096, 4096), (4096, 4096, 1024),
                     (4096, 11008, 4096)]
 CORE = {"M": [1024, 4096, 8192, 16384], "N": [1024, 4096, 16384], "K": [1024, 4096]}
+TINY_SHAPES = [(64, 48, 32), (20, 40, 24)]  # the interpreter's (--dry-run): seconds on a CPU
 
 GRIDS: Dict[str, List[dict]] = {
     "default": [
@@ -39,8 +40,8 @@ GRIDS: Dict[str, List[dict]] = {
     "small": [{"shapes": [(4096, 4096, 1024), (8192, 8192, 1024)], "dtypes": ["bf16"], "layouts": ["linear"],
                "ops": ["fwd", "bwd"]}],
     # --dry-run: the Triton interpreter on a CPU, seconds
-    "tiny": [{"shapes": [(64, 48, 32)], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd", "bwd"]},
-             {"shapes": [(20, 40, 24)], "dtypes": ["bf16"], "layouts": ["matmul"], "ops": ["fwd"]}],
+    "tiny": [{"shapes": TINY_SHAPES[:1], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd", "bwd"]},
+             {"shapes": TINY_SHAPES[1:], "dtypes": ["bf16"], "layouts": ["matmul"], "ops": ["fwd"]}],
 }
 
 # Shapes for --check-heldout: in none of the grids, but in the default grid's buckets (multiples of 16, so
@@ -125,7 +126,7 @@ def problems(blocks, kernels) -> List[Problem]:
         if extra:
             raise GridError(f"{where}: unknown keys {sorted(extra)}; known: {sorted(BLOCK_KEYS)}")
         name = block.get("kernel", "matmul_relu")
-        if name not in kernels:
+        if not isinstance(name, str) or name not in kernels:
             raise GridError(f"{where}: unknown kernel {name!r}; known: {list(kernels)}")
         entry = kernels[name]
         shapes = _sizes(block, where)

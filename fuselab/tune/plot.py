@@ -86,14 +86,22 @@ def _heatmaps(plt, cs: List[dict], value: str, text, title: str, path: Path, cma
 
 
 def plot_sweep(results_path: Path, out_dir: Path, ops: Optional[Sequence[str]] = None) -> List[Path]:
-    """Write the module docstring's figures for ``ops`` (default: every op in the file) into ``out_dir``."""
+    """Write the module docstring's figures for ``ops`` (default: every op in the file) into ``out_dir``;
+    ValueError if ``results_path`` is not a sweep's results file."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
 
-    data = json.loads(Path(results_path).read_text())
+    try:
+        data = json.loads(Path(results_path).read_text())
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    study = data.get("study") if isinstance(data, dict) else None
+    if study != "tune" or not isinstance(data.get("rows"), list):
+        what = f"study {study!r}" if study else "not a results file"
+        raise ValueError(f"plots a sweep's results (study 'tune'), this is {what}")
     gpu = next(iter(data.get("runs", {}).values()), {}).get("gpu", "")
     ops = list(ops) if ops else sorted({r["op"] for r in data["rows"] if r["op"] in data.get("baselines", {})})
     out_dir = Path(out_dir)

@@ -19,6 +19,7 @@ config's short name or the baseline's, shape the problem's ``MxNxK``, metric ``m
 ``product``, ``layout``, ``gemm`` (the launch's own MxNxK) and ``flops``. The best config of each key
 (lowest median) is derived from the rows: ``best_choices``, which ``--write-configs`` ships.
 """
+import contextlib
 import math
 import multiprocessing
 import signal
@@ -307,16 +308,15 @@ def sweep(problems: List[Problem], path: Path, options: Options, *, resume: bool
     prepare(planned, options.jobs)
     timed = 0
     bar = progress(total, "tuning")
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # a timeout's TERM saves what was measured
     try:
-        for item in planned:
-            if _over_budget(options, start):
-                break
-            bar.set_postfix_str(str(item.problem))
-            timed += _time_problem(item.problem, results, options, bar, start)
-            results.save(path)
+        with terminated_as_interrupt():
+            for item in planned:
+                if _over_budget(options, start):
+                    break
+                bar.set_postfix_str(str(item.problem))
+                timed += _time_problem(item.problem, results, options, bar, start)
+                results.save(path)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         bar.close()
         results.save(path)
     left = sum(p.configs + p.baselines for p in plan(problems, results)) if _over_budget(options, start) else 0
@@ -325,6 +325,17 @@ def sweep(problems: List[Problem], path: Path, options: Options, *, resume: bool
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def terminated_as_interrupt():
+    """A SIGTERM (a timeout's, a scheduler's) raises KeyboardInterrupt inside, as Ctrl-C does: the
+    caller saves what was measured either way."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _over_budget(options: Options, start: float) -> bool:

@@ -1058,6 +1058,18 @@ def test_config_and_calibration_arguments_are_checked():
         calibrate(_mlp(), [torch.randn(2, 24)], True, progress=False)
 
 
+def test_a_layer_calibrated_on_zeros_is_left_alone():
+    # Its scale was the smallest float: every later nonzero input became ~0, and the report said error 0.00.
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(-1.0)  # the ReLU makes the second layer's calibration input all zeros
+    calib = calibrate(model, [torch.randn(4, 8)], 1, progress=False)
+    assert calib.absmax["2"] == 0 and "2" not in calib.act_scales()
+    report = quantize_(model, Int8StaticActivationInt8WeightConfig(calib.act_scales()), calibration=calib)
+    assert list(report.replaced) == ["0"] and "saw only zeros" in report.skipped["2"]
+
+
 def test_distillation_batch_without_labels_has_a_zero_hard_term():
     s = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     t = torch.randn(4, 5, dtype=torch.float64)

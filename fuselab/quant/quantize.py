@@ -91,7 +91,8 @@ def _int8_dynamic(layer, relu, name, config):
 
 def _int8_static_why_not(layer, name, config) -> Optional[str]:
     if name not in config.act_scales:
-        return "no calibrated activation scale in the config (not called while calibrating?)"
+        return ("no calibrated activation scale in the config (not called while calibrating, or it saw only "
+                "zeros there?)")
     return _int8_k_limit(layer, name, config)
 
 
@@ -125,10 +126,10 @@ class Calibration:
 
     def act_scales(self, qmax: int = INT8_QMAX) -> Dict[str, float]:
         """Symmetric per-tensor scales, ``absmax / qmax`` (int8: 127), for
-        ``Int8StaticActivationInt8WeightConfig``; a layer that only saw zeros gets the smallest
-        positive scale."""
-        tiny = torch.finfo(torch.float32).tiny
-        return {name: max(value / qmax, tiny) for name, value in self.absmax.items()}
+        ``Int8StaticActivationInt8WeightConfig``. A layer that only saw zeros has no range to scale
+        by and is left out (any scale would turn its later nonzero inputs into about nothing):
+        quantize_ then leaves it alone and says so."""
+        return {name: value / qmax for name, value in self.absmax.items() if value > 0}
 
 
 def _model_input(batch):

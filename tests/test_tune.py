@@ -24,8 +24,10 @@ from fuselab.tune.__main__ import main
 from fuselab.tune.kernels import KERNELS
 
 MR = importlib.import_module("fuselab.kernels.matmul_relu_triton")
+SG = importlib.import_module("fuselab.quant._scaled_gemm")
 ENTRY = KERNELS["matmul_relu"]
 TINY = grid.load("tiny", KERNELS)
+TINY_GEMM = [p for p in TINY if p.kernel == "matmul_relu"]
 
 
 def _dry_run(tmp_path, *extra):
@@ -70,7 +72,7 @@ def _count_timings(tuner):
 
 
 def _run_tiny_ops():
-    for problem in TINY:
+    for problem in TINY_GEMM:  # the fused GEMM's: the tests below watch its tuner
         for op in problem.ops:
             ENTRY.call(op, ENTRY.inputs(problem, "cpu", torch.randn, requires_grad=op == "bwd"))
 
@@ -89,26 +91,33 @@ def test_dry_run_writes_results_and_configs(swept):
     results = Results.load(out)
     assert results.study == "tune"
     rows = results.rows
-    timed = [r for r in rows if "config" in r]
+    timed = [r for r in rows if "config" in r and r["kernel"] == "matmul_relu_kernel"]
     keys = {r["key"] for r in timed}
     # the tiny grid: fwd, grad_a and grad_b of one problem, fwd of the other; both interpreter configs each,
     # and cuBLAS for the forwards (the interpreter's backward masks G on load, where cuBLAS cannot serve)
     assert len(keys) == 4 and len(timed) == 8 + 2 and sum(r["config"] == "cublas" for r in timed) == 2
     assert {r["product"] for r in timed} == {"fwd", "grad_a", "grad_b"}
+    # and the quantized GEMM's forward in int8 and fp8: its two interpreter configs each, no library choice
+    quant = [r for r in rows if "config" in r and r["kernel"] == "scaled_gemm_kernel"]
+    assert len({r["key"] for r in quant}) == 2 and len(quant) == 4
+    assert {r["product"] for r in quant} == {"int8 fwd", "fp8 fwd"}
     assert all(set(ROW_KEYS) <= set(r) and r["metric"] == "ms" and r["mode"] == "wall" for r in rows)
-    assert len(rows) - len(timed) == 4 and all(results.baselines[r["op"]] == r["provider"] for r in rows
-                                               if "config" not in r)
+    assert len(rows) - len(timed) - len(quant) == 6 and all(results.baselines[r["op"]] == r["provider"]
+                                                            for r in rows if "config" not in r)
     (run,) = results.runs.values()
     assert run["gpu"] == "triton-interpreter" and run["fingerprints"] == {
-        "matmul_relu_kernel": MR.matmul_relu_kernel.fingerprint}
+        "matmul_relu_kernel": MR.matmul_relu_kernel.fingerprint, "scaled_gemm_kernel": SG.scaled_gemm_kernel.fingerprint}
 
     shipped = json.loads((configs / "triton-interpreter.json").read_text())
-    entry = shipped["kernels"]["matmul_relu_kernel"]
     assert shipped["format"] == _autotune.CONFIGS_FORMAT and shipped["gpu"] == "triton-interpreter"
-    assert entry["fingerprint"] == MR.matmul_relu_kernel.fingerprint
-    best = sweep.best_choices(results)["matmul_relu_kernel"]
-    assert entry["configs"] == {key: row["config"] for key, row in best.items()} and set(entry["configs"]) == keys
-    assert set(entry["configs"].values()) <= {str(c) for c in MR.matmul_relu_kernel.configs} | {"cublas"}
+    for kernel, module, kernel_keys in (("matmul_relu_kernel", MR, keys),
+                                        ("scaled_gemm_kernel", SG, {r["key"] for r in quant})):
+        entry = shipped["kernels"][kernel]
+        tuner = getattr(module, kernel)
+        assert entry["fingerprint"] == tuner.fingerprint
+        best = sweep.best_choices(results)[kernel]
+        assert entry["configs"] == {key: row["config"] for key, row in best.items()} and set(entry["configs"]) == kernel_keys
+        assert set(entry["configs"].values()) <= {str(c) for c in tuner.configs} | {"cublas"}
 
 
 def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
@@ -136,7 +145,8 @@ def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
     assert main(["--dry-run", "--out", str(out)]) == 1
     assert "--resume" in capsys.readouterr().err  # an existing file is neither extended nor lost silently
     assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
-    assert len(measured) == 3 + 1, "only the second problem's configs and baseline were left"
+    # the second problem's configs and baseline, then the quantized GEMM's (int8, fp8: two configs and one each)
+    assert len(measured) == 3 + 1 + 2 * 3, "only the problems after the first were left"
     assert "the sweep is complete" in capsys.readouterr().out
 
     measured.clear()
@@ -155,17 +165,17 @@ def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
 def test_budget_stops_and_resume_finishes(tmp_path, capsys):
     out = tmp_path / "tune.json"
     assert main(["--dry-run", "--out", str(out), "--budget-min", "0.0001"]) == 0  # spent while planning
-    assert "14 timings left: run again with --resume" in capsys.readouterr().out
+    assert "20 timings left: run again with --resume" in capsys.readouterr().out
     assert Results.load(out).rows == []
     assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
-    assert "the sweep is complete" in capsys.readouterr().out and len(Results.load(out).rows) == 14
+    assert "the sweep is complete" in capsys.readouterr().out and len(Results.load(out).rows) == 20
 
 
 def test_precompile_in_a_worker_process(capsys):
     # On a GPU the worker compiles into Triton's cache; in the interpreter "warmup" runs the kernel once,
     # which exercises the same path: planning, grouping by kind, pickling to a spawned process.
-    planned = sweep.plan(TINY[1:], Results("tune"))
-    assert sum(len(names) for item in planned for _, names in item.kinds.values()) == 3  # cuBLAS: nothing to compile
+    planned = sweep.plan(TINY[1:], Results("tune"))  # the fused GEMM's second problem, then int8 and fp8
+    assert sum(len(names) for item in planned for _, names in item.kinds.values()) == 3 + 2 * 2  # cuBLAS: nothing
     sweep.precompile(planned, jobs=1)
     assert "did not compile" not in capsys.readouterr().err
 
@@ -294,6 +304,13 @@ def test_default_grid_covers_the_benchmark_and_the_heldout_buckets():
     core = {_buckets((p.M, p.N, p.K)) for p in problems if {"fwd", "bwd"} <= set(p.ops) and p.dtype == "bf16"}
     for shape in grid.HELDOUT_SHAPES:
         assert shape not in swept and _buckets(shape) in core and all(v % 16 == 0 for v in shape)
+    # the benchmarks' shapes are written twice (the library does not import experiments/): kept equal here
+    from experiments import bench_matmul_relu, bench_quant
+
+    assert [bench_matmul_relu.SHAPES[n] for n in bench_matmul_relu.DEFAULT] == grid.BENCHMARK_SHAPES
+    assert list(bench_quant.SHAPES.values()) == grid.QUANT_BENCHMARK_SHAPES
+    for m, n, k in grid.QUANT_BENCHMARK_SHAPES:
+        assert {(f"{m}x{n}x{k}", dtype, "linear", "fwd") for dtype in ("int8", "fp8")} <= covered
 
 
 def test_check_heldout_dry_run(swept, tmp_path, capsys):
@@ -321,12 +338,24 @@ def test_first_call_dry_run(swept, tmp_path, capsys):
     assert "keys tuned" in capsys.readouterr().out
 
 
+def test_first_call_of_the_quantized_gemm_dry_run(swept, tmp_path, capsys):
+    # The sweep ships the int8/fp8 GEMM's choices too: a fresh process's first call tunes nothing.
+    out = tmp_path / "first.json"
+    assert main(["--first-call", "--dry-run", "--kernel", "scaled_gemm", "--dtypes", "int8,fp8", "--shapes", "64x48x32",
+                 "--configs-dir", str(swept[1]), "--out", str(out)]) == 0
+    results = Results.load(out)
+    assert not results.failed, results.failed
+    assert [(r["dtype"], r["provider"]) for r in results.rows] == [
+        (d, p) for d in ("int8", "fp8") for p in ("cold Triton cache", "warm Triton cache")]
+    assert all(r["tunings"] == [] for r in results.rows)
+
+
 def test_plots_from_the_sweep(swept, tmp_path):
     pytest.importorskip("matplotlib")
     assert main(["--plot", str(swept[0]), "--plot-dir", str(tmp_path / "plots")]) == 0
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
-    assert names == sorted(f"{op}-{kind}.png" for op in ("fwd_linear", "fwd_matmul", "grad_a_linear", "grad_b_linear")
-                           for kind in ("tflops", "ratio", "tiles"))
+    ops = ("fwd_linear", "fwd_matmul", "grad_a_linear", "grad_b_linear", "int8_fwd_linear", "fp8_fwd_linear")
+    assert names == sorted(f"{op}-{kind}.png" for op in ops for kind in ("tflops", "ratio", "tiles"))
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -343,6 +372,8 @@ def test_plots_from_the_sweep(swept, tmp_path):
     (["--shapes", "64x64x64"], "choose the checks' problems"),
     (["--first-call", "--budget-min", "3"], "the sweep's"),
     (["--dirty"], "give both"),
+    (["--kernel", "scaled_gemm"], "--kernel chooses the checks' kernel"),
+    (["--check-heldout", "--kernel", "scaled_gemm", "--dtypes", "bf16"], "unknown dtypes ['bf16']"),
     (["--plot", "missing.json"], "no such file"),
 ])
 def test_bad_arguments_exit_with_a_clear_message(argv, words, capsys):

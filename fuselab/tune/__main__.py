@@ -50,24 +50,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", default=None, help="the commit measured, where git cannot tell (a copy without .git)")
     p.add_argument("--dirty", action="store_true", help="with --commit: the working tree had changes")
     checks = p.add_argument_group("the checks' problems (--check-heldout, --first-call)")
+    checks.add_argument("--kernel", default="matmul_relu", choices=list(KERNELS),
+                        help="the tuned kernel checked (default: matmul_relu)")
     checks.add_argument("--shapes", default=None,
                         help="MxNxK,... (default: grid.HELDOUT_SHAPES, or the benchmark's for --first-call)")
-    checks.add_argument("--dtypes", default=None, help=f"of {list(KERNELS['matmul_relu'].dtypes)} (default: bf16)")
+    checks.add_argument("--dtypes", default=None,
+                        help=f"the kernel's: {', '.join(f'{k}: {list(e.dtypes)}' for k, e in KERNELS.items())} "
+                             "(default: its first)")
     checks.add_argument("--layouts", default=None,
-                        help=f"of {list(KERNELS['matmul_relu'].layouts)} (default: both; matmul for --first-call)")
+                        help="the kernel's (matmul_relu: linear, matmul; default both, matmul for --first-call; "
+                             "scaled_gemm: linear)")
     checks.add_argument("--ops", default=None,
-                        help=f"of {list(KERNELS['matmul_relu'].ops)} (default: fwd,bwd; fwd for --first-call)")
+                        help=f"the kernel's: {', '.join(f'{k}: {list(e.ops)}' for k, e in KERNELS.items())} "
+                             "(default: fwd,bwd for matmul_relu's --check-heldout, else fwd)")
     p.add_argument("--plot-dir", type=Path, default=None, help="--plot's folder (default: beside the results)")
     return p
 
 
 def _check_problems(p: argparse.ArgumentParser, args) -> List[grid.Problem]:
-    first = args.first_call
-    defaults = grid.TINY_SHAPES if INTERPRET else grid.BENCHMARK_SHAPES if first else grid.HELDOUT_SHAPES
+    first, entry = args.first_call, KERNELS[args.kernel]
+    gemm = args.kernel == "matmul_relu"
+    benchmark = grid.BENCHMARK_SHAPES if gemm else grid.QUANT_BENCHMARK_SHAPES
+    defaults = grid.TINY_SHAPES if INTERPRET else benchmark if first else grid.HELDOUT_SHAPES
     shapes = grid.parse_shapes(args.shapes) if args.shapes else defaults
-    block = {"shapes": [list(s) for s in shapes], "dtypes": (args.dtypes or "bf16").split(","),
-             "layouts": (args.layouts or ("matmul" if first else "linear,matmul")).split(","),
-             "ops": (args.ops or ("fwd" if first else "fwd,bwd")).split(",")}
+    layouts = ("matmul" if first else "linear,matmul") if gemm else next(iter(entry.layouts))
+    block = {"kernel": args.kernel, "shapes": [list(s) for s in shapes],
+             "dtypes": (args.dtypes or next(iter(entry.dtypes))).split(","),
+             "layouts": (args.layouts or layouts).split(","),
+             "ops": (args.ops or ("fwd,bwd" if gemm and not first else "fwd")).split(",")}
     return grid.problems([block], KERNELS)
 
 
@@ -75,6 +85,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     check = args.check_heldout or args.first_call
     if args.plot is not None:
         return
+    if not check and args.kernel != "matmul_relu":
+        p.error("--kernel chooses the checks' kernel; the sweep's come from --grid")
     if check and args.grid is not None:
         p.error("--grid is the sweep's; the checks take --shapes, --dtypes, --layouts and --ops")
     if not check and any(v is not None for v in (args.shapes, args.dtypes, args.layouts, args.ops)):

@@ -20,6 +20,9 @@ from typing import Dict, List, Sequence, Tuple
 BENCHMARK_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 1024), (8192, 8192, 256),
                     (16384, 4096, 512), (1024, 2048, 512), (64, 4096, 4096), (4096, 4096, 1024),
                     (4096, 11008, 4096)]
+# experiments/bench_quant.py's GEMM shapes (M, N, K)
+QUANT_BENCHMARK_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 2048), (16384, 2048, 8192),
+                          (8192, 8192, 1024), (16, 8192, 2048), (3001, 4099, 1537)]
 CORE = {"M": [1024, 4096, 8192, 16384], "N": [1024, 4096, 16384], "K": [1024, 4096]}
 TINY_SHAPES = [(64, 48, 32), (20, 40, 24)]  # the interpreter's (--dry-run): seconds on a CPU
 
@@ -35,13 +38,22 @@ GRIDS: Dict[str, List[dict]] = {
         {"shapes": [(1031, 777, 515)], "dtypes": ["bf16", "fp16"], "layouts": ["matmul"], "ops": ["bwd"]},
         # the core: tokens x hidden sizes, nn.Linear's layout and the plain one, forward and backward
         {**CORE, "dtypes": ["bf16", "fp16"], "layouts": ["linear", "matmul"], "ops": ["fwd", "bwd"]},
+        # the quantized GEMM: experiments/bench_quant.py's GEMM shapes, then an OPT-1.3b prefill of 8 x 1024
+        # tokens as quantize_ leaves it (q/k/v/out, fc1, fc2 with bias; the lm_head without)
+        {"kernel": "scaled_gemm", "shapes": QUANT_BENCHMARK_SHAPES + [(8192, 2048, 2048), (8192, 8192, 2048),
+                                                                      (8192, 2048, 8192)],
+         "dtypes": ["int8", "fp8"], "layouts": ["linear"], "ops": ["fwd"]},
+        {"kernel": "scaled_gemm", "shapes": [(8192, 50272, 2048)], "dtypes": ["int8", "fp8"], "layouts": ["linear"],
+         "ops": ["fwd-nobias"]},
     ],
     # a quick look on a GPU (a minute or two)
     "small": [{"shapes": [(4096, 4096, 1024), (8192, 8192, 1024)], "dtypes": ["bf16"], "layouts": ["linear"],
                "ops": ["fwd", "bwd"]}],
     # --dry-run: the Triton interpreter on a CPU, seconds
     "tiny": [{"shapes": TINY_SHAPES[:1], "dtypes": ["bf16"], "layouts": ["linear"], "ops": ["fwd", "bwd"]},
-             {"shapes": TINY_SHAPES[1:], "dtypes": ["bf16"], "layouts": ["matmul"], "ops": ["fwd"]}],
+             {"shapes": TINY_SHAPES[1:], "dtypes": ["bf16"], "layouts": ["matmul"], "ops": ["fwd"]},
+             {"kernel": "scaled_gemm", "shapes": TINY_SHAPES[:1], "dtypes": ["int8", "fp8"], "layouts": ["linear"],
+              "ops": ["fwd"]}],
 }
 
 # Shapes for --check-heldout: in none of the grids, but in the default grid's buckets (multiples of 16, so

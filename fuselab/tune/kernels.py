@@ -7,10 +7,10 @@ runtime's tuner would see on that problem. Each config is then timed by launchin
 function with that config, as Triton's autotuner does.
 
 Tuned kernels (``KERNELS``): the fused GEMM (``matmul_relu``: its forward with and without bias and
-both backward products). SparseAdamW's two kernels are not autotuned: their block sizes follow from
-the row size (``fuselab.kernels.sparse_adamw._blocks``), so there is nothing to sweep; wrapping them in
-``autotune`` with a key on the row size's bucket, and an entry here, would add them. The quantized
-GEMMs (``fuselab.quant``) are autotuned the same way as the fused GEMM and take an entry like it.
+both backward products) and the quantized GEMM (``scaled_gemm``: fuselab.quant's int8 and fp8 GEMM with
+its epilogue, as the quantized layers call it). SparseAdamW's two kernels are not autotuned: their block
+sizes follow from the row size (``fuselab.kernels.sparse_adamw._blocks``), so there is nothing to sweep;
+wrapping them in ``autotune`` with a key on the row size's bucket, and an entry here, would add them.
 """
 import contextlib
 import importlib
@@ -119,6 +119,20 @@ def _caller_named(names: Dict[str, str], default: str) -> str:
     return default
 
 
+def _recorded(tuner, product: str, execute: bool, call: Callable[[], object]) -> List[Launch]:
+    """The launches of ``tuner`` that ``call()`` makes, labelled ``product`` (see ``recording``)."""
+    with recording(tuner, lambda: product, execute) as launches:
+        call()
+    return launches
+
+
+def _launched(launches: List[Launch], op: str, problem: Problem, tuner) -> List[Launch]:
+    if not launches:
+        raise RuntimeError(f"{op} on {problem} launched no {tuner.base_fn.__name__}: does it run "
+                           f"PyTorch's kernels here (see fuselab.kernels._runtime.execution_path)?")
+    return launches
+
+
 class MatmulReLU:
     """The fused GEMM, ``relu(a @ b + bias)``: ops ``fwd`` (with bias), ``fwd-nobias``, ``bwd`` (the
     forward with bias, then autograd's backward: products ``grad_a`` and ``grad_b``)."""
@@ -175,20 +189,16 @@ class MatmulReLU:
         for op in problem.ops:
             t = self.inputs(problem, device, fill, requires_grad=op == "bwd")
             if op != "bwd":
-                with recording(tuner, lambda: op, execute) as launches:
-                    self.call(op, t)
+                launches = _recorded(tuner, op, execute, lambda: self.call(op, t))
             else:
                 from fuselab.kernels import matmul_relu
 
-                with recording(tuner, lambda: "fwd", execute) as launches:
-                    y = matmul_relu(t["a"], t["b"], t["bias"])
+                y = []
+                launches = _recorded(tuner, "fwd", execute, lambda: y.append(matmul_relu(t["a"], t["b"], t["bias"])))
                 with recording(tuner, lambda: _caller_named(self._products, "bwd"), execute) as backward:
-                    y.backward(t["dy"])
+                    y[0].backward(t["dy"])
                 launches += backward
-            if not launches:
-                raise RuntimeError(f"{op} on {problem} launched no {tuner.base_fn.__name__}: does it run "
-                                   f"PyTorch's kernels here (see fuselab.kernels._runtime.execution_path)?")
-            out += launches
+            out += _launched(launches, op, problem, tuner)
         return out
 
     def baseline(self, launch: Launch) -> Tuple[str, Callable[[], object]]:
@@ -205,7 +215,73 @@ class MatmulReLU:
         return provider, lambda: torch.mm(a, b)
 
 
-KERNELS = {"matmul_relu": MatmulReLU()}
+class ScaledGemm:
+    """fuselab.quant's GEMM, ``cast(acc * a_scale * b_scale + bias)`` over int8 x int8 -> int32 or fp8 x fp8
+    -> fp32 accumulators, as the quantized layers call it (b = weight.t(), one scale per row of a and per
+    column of b, bf16 out): ops ``fwd`` (with bias; the ReLU flag is not in the tuning key) and
+    ``fwd-nobias``. Products are named by dtype (``int8 fwd``), apart from the fused GEMM's in one file."""
+    name = "scaled_gemm"
+    ops = ("fwd", "fwd-nobias")
+    dtypes = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+    layouts = {"linear": "b = weight.t(), the (N, K) quantized weight row-major, as the quantized layers"}
+
+    def tuner(self):
+        return importlib.import_module("fuselab.quant._scaled_gemm").scaled_gemm_kernel
+
+    def context(self, problem: Problem):
+        return contextlib.nullcontext()
+
+    def inputs(self, problem: Problem, device, fill: Callable, requires_grad: bool = False) -> dict:
+        """(a, b, a_scale, b_scale, bias) for ``problem``: 8-bit values from ``fill``'s (torch.randn, torch.empty)."""
+        M, N, K, dtype = problem.M, problem.N, problem.K, self.dtypes[problem.dtype]
+
+        def quantized(*size):
+            x = fill(*size, dtype=torch.float32, device=device)
+            return (x.clamp(-1, 1) * 127).round().to(dtype) if dtype == torch.int8 else x.clamp(-448, 448).to(dtype)
+
+        def scale(n):
+            return fill(n, dtype=torch.float32, device=device).abs().add(1e-3)
+
+        return {"a": quantized(M, K), "b": quantized(N, K).t(), "a_scale": scale(M), "b_scale": scale(N),
+                "bias": fill(N, dtype=torch.bfloat16, device=device)}
+
+    def call(self, op: str, t: dict) -> None:
+        from fuselab.quant import fp8_matmul, int8_matmul
+
+        matmul = int8_matmul if t["a"].dtype == torch.int8 else fp8_matmul
+        matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"] if op == "fwd" else None, False, torch.bfloat16,
+               backend="triton")
+
+    def launches(self, problem: Problem, device, fill: Callable, execute: bool) -> List[Launch]:
+        tuner, out = self.tuner(), []
+        for op in problem.ops:
+            t = self.inputs(problem, device, fill)
+            out += _launched(_recorded(tuner, f"{problem.dtype} {op}", execute, lambda: self.call(op, t)), op, problem,
+                             tuner)
+        return out
+
+    def baseline(self, launch: Launch) -> Tuple[str, Callable[[], object]]:
+        """PyTorch's 8-bit GEMM on the launch's operands, with the epilogue it lacks as torch ops (int8:
+        ``torch._int_mm``; fp8: ``torch._scaled_mm``, whose rowwise scales and bias are its own); on a CPU
+        the op's PyTorch body."""
+        from fuselab.quant import fp8_matmul, int8_matmul
+        from fuselab.quant._scaled_gemm import torch_epilogue
+
+        named = dict(zip(launch.tuner.arg_names, launch.args))
+        a, b, c = named["a_ptr"], named["b_ptr"], named["c_ptr"]
+        a_scale, b_scale, bias = named["a_scale_ptr"], named["b_scale_ptr"], named["bias_ptr"]
+        int8 = a.dtype == torch.int8
+        if not a.is_cuda:
+            matmul = int8_matmul if int8 else fp8_matmul
+            return "torch (CPU)", lambda: matmul(a, b, a_scale, b_scale, bias, False, c.dtype, backend="torch")
+        if int8:
+            return "_int_mm + epilogue", lambda: torch_epilogue(torch._int_mm(a, b), a_scale, b_scale, bias, False,
+                                                                c.dtype)
+        return "_scaled_mm", lambda: torch._scaled_mm(a, b, scale_a=a_scale[:, None], scale_b=b_scale[None, :],
+                                                      bias=bias, out_dtype=c.dtype)
+
+
+KERNELS = {"matmul_relu": MatmulReLU(), "scaled_gemm": ScaledGemm()}
 
 
 def device() -> Optional[str]:

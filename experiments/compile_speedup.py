@@ -74,8 +74,8 @@ def shape_of(name: str, tiny: bool, channels_last: bool) -> str:
     """The row's ``shape``: the batch, and what else tells two configurations of one model apart."""
     dims = "x".join(map(str, batch_shape(name, tiny)))
     if family(name) == "opt":
-        return f"{dims} tokens"
-    return dims if channels_last else f"{dims} NCHW"
+        return f"{dims} tokens" + (" (tiny OPT)" if tiny else "")
+    return (dims if channels_last else f"{dims} NCHW") + (" (tiny: a ResNet-18 stands in)" if tiny else "")
 
 
 @RESNET.register("resnet50", baseline=True)
@@ -212,7 +212,8 @@ def record(results: Results, measured: Dict[Config, dict]) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="resnet50,opt,opt+fuselab", help=f"of {MODELS}")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=None, help=f"of {MODES} (default: all; with --tiny eager,default: the "
+                                                 "others compile for minutes on a CPU)")
     p.add_argument("--precisions", default="fp32,bf16", help=f"of {list(PRECISIONS)}")
     p.add_argument("--tasks", default="train,infer")
     p.add_argument("--plan", help="instead of the full grid: 'models:tasks:precisions:modes;...', e.g. "
@@ -228,6 +229,8 @@ def main(argv=None):
                    "its configurations (machine drift hits all of them alike); rows report the mean")
     add_output_args(p)
     args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = "eager,default" if args.tiny else ",".join(MODES)
     device = parse_device(p, args.device, STUDY)
     grid = parse_plan(args, p)
     out = output_path(args, STUDY)
@@ -266,6 +269,7 @@ def main(argv=None):
         torch.set_float32_matmul_precision(matmul_precision)
     rows = results.select(metric="ms/step")
     if rows:
+        print("\nms/step per compile mode (x eager: eager's time over the mode's, above 1 is faster):")
         print(pivot(rows, ["op", "dtype", "provider"], column="mode", baseline="eager"))
     print(f"saved {results.save(out, merge=args.merge)}")
     return results

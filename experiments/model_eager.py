@@ -241,6 +241,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.device.startswith("cuda"):
         harness.require_cuda(STUDY)
+    elif args.sizes != ["tiny"]:  # an OPT grid on a CPU runs for many minutes and measures nothing fuselab does there
+        p.error(f"--sizes {','.join(args.sizes)} on the CPU: the patched models run PyTorch's ops there; use "
+                "--sizes tiny for a smoke run of the machinery, or run on a GPU")
     path = harness.output_path(args, STUDY)
     results = run(args)
     print(report(results))

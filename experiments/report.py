@@ -72,6 +72,7 @@ class Spec:
     title: str
     prose: str
     command: str = ""
+    machine: str = "a GPU machine"  # where ``command`` re-measures the page's figures
     views: Tuple[View, ...] = ()
     hide: Tuple[str, ...] = ()  # metrics left out of the generic tables (derivable from another)
     plot: Optional[Plot] = None
@@ -276,7 +277,8 @@ default precision, where fuselab runs cuBLAS and a ReLU on a GPU.""",
         prose="""\
 The fused op's forward and three gradients against float64, beside PyTorch's: the largest relative
 error of the four. On a CPU the Triton kernels run in the interpreter (mode `interpreter`).""",
-        command="python -m experiments.quickstart --results",
+        command="python -m experiments.quickstart --skip-mlp --results --merge",
+        machine="a GPU machine, or a CPU for the interpreter rows",
         views=(View("max rel err", index=("shape", "dtype", "mode"), baseline=None, split=("op",),
                     title="{op}: largest relative error vs float64"),
                View("TFLOP/s", index=("shape", "dtype", "mode"), split=("op",), title="{op}: TFLOP/s")),
@@ -548,7 +550,7 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
     if spec.prose:
         out += [spec.prose, ""]
     if spec.command:
-        out += [f"Re-measure: `{spec.command}` (on a GPU machine), then `python -m experiments.report`.", ""]
+        out += [f"Re-measure: `{spec.command}` (on {spec.machine}), then `python -m experiments.report`.", ""]
     if spec.own_page is not None:
         study = importlib.import_module(spec.own_page)
         out += [f"![{spec.title}]({res.study}.png)", "", study.summary(res), ""]

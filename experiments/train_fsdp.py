@@ -58,6 +58,9 @@ def fraction(text: str) -> float:
     return value
 
 
+CPU_MAX_PARAMS = 200_000_000  # GPT-2 small (124M) trains on a CPU, slowly; the 1.31B default is refused there
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (default: the 1.31B configuration)")
@@ -124,6 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if not 0 <= args.min_lr_ratio <= 1:
         p.error(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
+    params = 12 * args.n_layer * args.n_embd ** 2 + 50_304 * args.n_embd  # blocks and the (tied) embedding
+    if args.device == "cpu" and params > CPU_MAX_PARAMS:
+        p.error(f"a {params / 1e9:.2f}B-parameter GPT-2 on the CPU would take minutes a step: add --tiny (or a "
+                f"smaller --n-embd/--n-layer, up to {CPU_MAX_PARAMS / 1e6:.0f}M parameters), or run it on a GPU")
     if args.peak_tflops is None and args.device == "cuda":
         args.peak_tflops = H200_BF16_DENSE_TFLOPS
     return args

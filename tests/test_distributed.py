@@ -307,6 +307,7 @@ def test_launch_environment_turns_nvlink_multicast_off():
     (["--compile-scope", "model"], "with --compile only"),
     (["--vocab-multiple", "0"], "must be >= 1"),
     (["--vocab-multiple", "4096"], "at most 1024"),
+    (["--device", "cpu"], "a 1.31B-parameter GPT-2 on the CPU"),  # it started, and ran for minutes a step
 ])
 def test_train_fsdp_rejects_bad_arguments(argv, message, capsys):
     from experiments import train_fsdp

@@ -327,7 +327,7 @@ def run_compile(tmp_path, plan, *extra):
                                  "--out", str(tmp_path / "cs.json"), *extra])
 
 
-def test_model_eager_times_stock_and_patched_decoders(tmp_path, monkeypatch):
+def test_model_eager_times_stock_and_patched_decoders(tmp_path, monkeypatch, capsys):
     # Every configuration is timed (wall and host) before any diagnosis, with the stock decoder as the baseline.
     # The fused op's PyTorch bodies: this checks the study's machinery, not the kernel (the interpreter is slow).
     monkeypatch.setattr(importlib.import_module("fuselab.kernels.matmul_relu_triton"), "_runs_triton", lambda t: False)
@@ -340,6 +340,8 @@ def test_model_eager_times_stock_and_patched_decoders(tmp_path, monkeypatch):
             assert len(row) == 1 and row[0]["passes"] == 2 and row[0]["p50"] > 0
             assert res.value(op=task, provider=variant, metric="host ms") > 0
     assert Results.load(tmp_path / "me.json").to_json() == res.to_json()
+    # the real sizes on a CPU: refused (they ran the whole OPT grid for many minutes)
+    assert "--sizes tiny for a smoke run" in usage_error(capsys, model_eager.main, ["--device", "cpu"])
 
 
 @pytest.mark.slow
@@ -413,7 +415,8 @@ def test_compile_speedup_passes_alternate_and_average(tmp_path):
     assert order == ["opt", "resnet50"] * 3
     for r in res.select(metric="ms/step"):
         assert len(r["passes"]) == 3 and r["p50"] == pytest.approx(sum(r["passes"]) / 3)
-    assert {r["shape"] for r in res.rows} == {"2x32 tokens", "2x3x64x64"}
+    # --tiny's models say what they are (its resnet50 rows are a ResNet-18's)
+    assert {r["shape"] for r in res.rows} == {"2x32 tokens (tiny OPT)", "2x3x64x64 (tiny: a ResNet-18 stands in)"}
 
 
 # ----------------------------------------------------------------------------------------------

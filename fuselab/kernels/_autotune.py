@@ -440,8 +440,9 @@ class PersistentAutotuner(Autotuner):
                 self.cache[tuning_key] = by_name[stored]
                 self.configs_timings = {}
                 return True
-        log.warning("fuselab: tuning %s %s: %d configs, once per GPU (cached in %s)", self.base_fn.__name__,
-                    describe_key(self.keys, tuning_key), len(configs), path.parent)
+        where = "in the Triton interpreter, whose timings mean nothing" if INTERPRET else "once per GPU"
+        log.warning("fuselab: tuning %s %s: %d configs, %s (cached in %s)", self.base_fn.__name__,
+                    describe_key(self.keys, tuning_key), len(configs), where, path.parent)
         bench_fn()
         try:
             db = _read_cache(path)  # re-read: another process may have added keys meanwhile

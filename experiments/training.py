@@ -68,6 +68,18 @@ def warmup_cosine_schedule(opt: torch.optim.Optimizer, warmup: int, total: int, 
                                                           min_ratio=min_ratio))
 
 
+def restart_schedule(sched, base_lr: float, step: int) -> None:
+    """Point a ``warmup_cosine_schedule`` restored from a checkpoint at ``base_lr`` and optimizer step
+    ``step`` (a resume at another world size: the base rate scales with it, steps count its batches)."""
+    groups = sched.optimizer.param_groups
+    sched.base_lrs = [base_lr] * len(groups)
+    sched.last_epoch = step
+    rates = [base_lr * factor(step) for factor in sched.lr_lambdas]
+    for group, lr in zip(groups, rates):
+        group["initial_lr"], group["lr"] = base_lr, lr
+    sched._last_lr = rates
+
+
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list:
     """Parameter groups: weight decay on matrices and kernels, none on biases and norm weights."""
     params = list(model.parameters())

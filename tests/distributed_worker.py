@@ -4,7 +4,7 @@
 
 Scenarios (each writes OUT/<scenario>.json from rank 0 unless it is meant to die):
     train    DDP and FSDP2 parity with one process, shard sizes, fused layers before/after
-             sharding, DTensor reaching fuselab's op, checkpoints at steps 1-3 (step 3 async) and
+             sharding, DTensor reaching fuselab's op, misuse (check_edges), checkpoints at steps 1-3 (step 3 async) and
              the uninterrupted losses of steps 4-6; then a save at step 6 that rank 1 dies in
     resume   load the latest checkpoint of OUT/ckpt (on 2 ranks: FSDP; on 1: a plain model) and
              run steps 4-6
@@ -177,6 +177,35 @@ def check_fused(rt):
     return out
 
 
+def check_edges(rt, out_dir):
+    """What a skeptical user found: a per-rank train_state, a sparse embedding under FSDP2, OPT's blocks
+    after fully_shard renamed them."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from fuselab.nn import fuse_linear_relu
+
+    out = {}
+    model = torch.nn.Linear(4, 2)
+    try:
+        fd.Checkpointer(out_dir / "edges", keep=None).save(1, model, None, None, {"position": rt.rank})
+        out["per_rank_train_state"] = "saved"
+    except ValueError as e:
+        out["per_rank_train_state"] = str(e)
+    try:
+        fd.fully_shard_model(torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True)), mixed_precision=False)
+        out["sparse_fsdp"] = "sharded"
+    except ValueError as e:
+        out["sparse_fsdp"] = str(e)
+    torch.manual_seed(0)
+    opt_model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
+                                         num_attention_heads=2, max_position_embeddings=SEQ, word_embed_proj_dim=16,
+                                         activation_function="relu"))
+    fd.fully_shard_model(opt_model, mixed_precision=False)
+    opt_model, report = fuse_linear_relu(opt_model)
+    out["opt_fused_after_shard"] = sorted(report.fused)
+    return out
+
+
 def check_dtensor(rt):
     """What fuselab.matmul_relu does with DTensor inputs: a correct result or an error, per layout."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -285,7 +314,7 @@ def scenario_train(rt, out_dir):
     out = {"world_size": rt.world_size}
     t0 = time.perf_counter()
     for name, fn in (("ddp", check_ddp), ("fsdp", check_fsdp), ("wrapped", check_wrapped), ("fused", check_fused),
-                     ("dtensor", check_dtensor)):
+                     ("dtensor", check_dtensor), ("edges", lambda rt: check_edges(rt, out_dir))):
         t = time.perf_counter()
         out[name] = fn(rt)
         out.setdefault("seconds", {})[name] = time.perf_counter() - t

@@ -136,6 +136,16 @@ def test_fused_layers_before_and_after_sharding(trained):
     assert after["fc"] == "FusedConv1DReLU"
 
 
+def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
+    edges = trained[0]["edges"]
+    # train_state is saved once: a per-rank value came back as rank 0's on every rank
+    assert "train_state differs between ranks in ['position']" in edges["per_rank_train_state"]
+    # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
+    assert "FSDP2 cannot shard sparse-gradient embeddings (0: sparse=True)" in edges["sparse_fsdp"]
+    # FSDP2 renames OPTDecoderLayer to FSDPOPTDecoderLayer: the adapter found none of its fc1 layers
+    assert edges["opt_fused_after_shard"] == ["model.decoder.layers.0.fc1", "model.decoder.layers.1.fc1"]
+
+
 def test_dtensor_reaching_fuselab_op_errors_or_is_right(trained):
     cases = trained[0]["dtensor"]
     assert cases["FSDP-sharded fused layer, through FSDP"]["max_abs_err"] < 1e-5  # FSDP all-gathers first
@@ -241,16 +251,47 @@ def test_train_ddp_script(tmp_path):
     from experiments import data
 
     _needs(data.FASHION_MNIST / "train-images-idx3-ubyte.gz", "Fashion-MNIST")
-    proc = launch(["experiments.train_ddp", "--tiny", "--device", "cpu", "--steps", "6", "--checkpoint-dir",
-                   str(tmp_path / "ckpt"), "--out", str(tmp_path / "r.json"), "--timeout", "300"], module=True,
-                  timeout=300)
+    common = ["--tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ckpt"), "--timeout", "300"]
+    # --checkpoint-every saves inside the epoch (it raised at its first save: train_state set "step")
+    proc = launch(["experiments.train_ddp", *common, "--steps", "6", "--checkpoint-every", "4",
+                   "--out", str(tmp_path / "r.json")], module=True, timeout=300)
     assert proc.returncode == 0, output(proc)
     assert "lr 0.2 (= 0.1 x 2)" in proc.stderr  # scaled by the world size
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     metrics = {r["metric"] for r in rows}
     assert {"images/s", "test accuracy", "final test accuracy"} <= metrics
     assert all(r["shape"] == "2x32" for r in rows)
-    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000004", "step_00000006"]
+    # resumed in this process, world size 1: its steps count batches of 32 (6 steps of 2 x 32 = 12 of 32)
+    from experiments import train_ddp
+
+    rows = train_ddp.main([*common, "--steps", "14", "--resume", "--out", str(tmp_path / "s.json")])
+    assert {r["step"] for r in rows if r["metric"] == "test accuracy"} == {14}
+
+
+def test_restart_schedule_moves_a_restored_schedule_to_this_world():
+    # train_ddp resumed on another world size kept the saved lr (x the old world size) and its step count.
+    from experiments.training import restart_schedule, warmup_cosine_schedule
+
+    def schedule(lr, warmup, total, steps=0):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        sched = warmup_cosine_schedule(opt, warmup, total)
+        for _ in range(steps):
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    saved_opt, saved = schedule(0.2, 2, 10, steps=3)  # 2 ranks: lr 0.1 x 2, 10 steps
+    opt, sched = schedule(0.1, 4, 20)  # 1 rank: lr 0.1, 20 steps of half the batch
+    opt.load_state_dict(saved_opt.state_dict())  # what Checkpointer.load restores
+    sched.load_state_dict(saved.state_dict())
+    restart_schedule(sched, 0.1, 6)
+    ref_opt, ref = schedule(0.1, 4, 20, steps=6)
+    for _ in range(3):
+        assert sched.get_last_lr() == ref.get_last_lr() and opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        for o, s in ((opt, sched), (ref_opt, ref)):
+            o.step()
+            s.step()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +389,21 @@ try:
     ck.save(5, model, None, None, {"step": 999})
 except ValueError as e:
     print("reserved", e)
+# Saving before the first step: get_state_dict stepped the optimizer (AdamW's count started at 1)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+fresh = fd.Checkpointer(sys.argv[1] + "-fresh", keep=None)
+fresh.save(0, model, opt)
+again = torch.optim.AdamW(model.parameters(), lr=0.1)
+fresh.load(model, again)  # a checkpoint without optimizer state: "starts fresh" must be true
+print("unstepped", len(opt.state), len(again.state))
+# A rollback: resumed from step 200 after 300 was saved; the next save is the line that continues
+roll = fd.Checkpointer(sys.argv[1] + "-roll", keep=None)
+for step in (100, 200, 300):
+    roll.save(step, model)
+roll.keep = 2
+roll.load(model, path=roll.dir / "step_00000200")
+kept = roll.save(250, model)
+print("rollback", kept.exists(), roll.latest().name, " ".join(sorted(p.name for p in roll.dir.iterdir())))
 fd.shutdown()
 """
 
@@ -364,7 +420,9 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     proc = finish(proc, 120)
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
-                 ("smaller", "wider", "reserved"))
+                 ("smaller", "wider", "reserved", "unstepped", "rollback"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
+    assert lines["unstepped"] == "0 0", lines
+    assert lines["rollback"] == "True step_00000250 abandoned-step_00000300 step_00000200 step_00000250", lines

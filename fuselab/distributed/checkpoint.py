@@ -16,8 +16,11 @@ restored only at the same world size (elsewhere there is no rank to give them to
 Crash safety: a checkpoint is written into ``.tmp-step_<n>/`` and renamed to ``step_<n>/`` by
 rank 0 once DCP has finished (its ``.metadata`` is written last, after every rank's data); a
 process killed mid-save leaves only a temporary folder, which ``latest()`` never returns and
-the next save deletes. ``keep`` complete checkpoints are kept, the oldest deleted. Every rank
-must see the same folder (one node, or a shared filesystem across nodes).
+the next save deletes. ``keep`` complete checkpoints are kept, the oldest deleted. A run resumed
+from an earlier checkpoint (``load(path=...)``) that saves again renames the later ones
+``abandoned-step_<n>/``: they are kept, but never resumed from or counted. Every rank must see the
+same folder (one node, or a shared filesystem across nodes). ``train_state`` must be the same on
+every rank (it is saved once); an optimizer that has not stepped yet is saved without state.
 
 ``async_save=True`` uses ``dcp.async_save``: the state is copied to host memory, training goes
 on while a background thread writes it (over a separate gloo group), and the rename happens when
@@ -44,6 +47,7 @@ logger = logging.getLogger("fuselab.distributed")
 
 PREFIX = "step_"
 TMP = ".tmp-"
+ABANDONED = "abandoned-"  # checkpoints past the step a resumed run saved again
 INFO = "info.json"
 
 
@@ -83,6 +87,21 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _check_same_on_every_rank(train_state: Dict[str, Any]) -> None:
+    """ValueError if ``train_state`` differs between ranks: it is saved once (rank 0's) and every rank
+    gets that back, so a per-rank value (a rank's own data position) would silently become rank 0's."""
+    if _world() == 1:
+        return
+    states: List[Any] = [None] * _world()
+    dist.all_gather_object(states, json.dumps(train_state, sort_keys=True, default=repr))
+    if any(other != states[0] for other in states):
+        decoded = [json.loads(state) for state in states]
+        keys = sorted({k for d in decoded for k in set(d) | set(decoded[0]) if d.get(k) != decoded[0].get(k)})
+        raise ValueError(f"train_state differs between ranks in {keys}: it is saved once and every rank gets "
+                         "rank 0's back; keep per-rank positions derivable from shared values (e.g. the samples "
+                         "seen in all)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -176,10 +195,14 @@ class Checkpointer:
             json.dumps(info)
         except TypeError as e:
             raise TypeError(f"train_state must be JSON-serializable (ints, floats, strings, lists): {e}") from None
+        _check_same_on_every_rank(train_state or {})
         state: Dict[str, Any] = {"train_state": json.dumps(info), f"rng_rank{_rank()}": pickle.dumps(rng_state())}
-        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+        # An optimizer that has not stepped has no state to save: get_state_dict would make one by stepping it
+        # (AdamW's step count would start at 1 and its first real update come out smaller).
+        stepped = optimizer is not None and bool(optimizer.state)
+        msd, osd = get_state_dict(model, optimizer if stepped else [])
         state["model"] = msd
-        if optimizer is not None:
+        if stepped:
             state["optim"] = osd
         if scheduler is not None:
             state["scheduler"] = pickle.dumps(scheduler.state_dict())
@@ -219,6 +242,14 @@ class Checkpointer:
             old = final.with_name(f"{TMP}old-{final.name}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
+        step = info["step"]
+        later = [(n, path) for n, path in self.checkpoints() if n > step]
+        for n, path in later:  # a run resumed from an earlier checkpoint: the later ones are another line now
+            os.replace(path, path.with_name(f"{ABANDONED}{path.name}"))
+        if later:
+            logger.warning("step %d saved after resuming from an earlier checkpoint: the later checkpoint(s) of "
+                           "steps %s are renamed %s* (kept, and never resumed from or pruned)", step,
+                           ", ".join(str(n) for n, _ in later), ABANDONED)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
         if old is not None:
@@ -259,13 +290,14 @@ class Checkpointer:
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
         saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         t0 = time.perf_counter()
-        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+        with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
+        if optimizer is not None and not with_optim:  # left untouched: get_state_dict would step it
+            logger.warning("%s holds no optimizer state (saved before its first step?): the optimizer starts "
+                           "fresh", path)
+        msd, osd = get_state_dict(model, optimizer if with_optim else [])
         state: Dict[str, Any] = {"model": msd, "train_state": ""}
-        if optimizer is not None:
-            if any(k.startswith("optim.") for k in saved):
-                state["optim"] = osd
-            else:
-                logger.warning("%s holds no optimizer state: the optimizer starts fresh", path)
+        if with_optim:
+            state["optim"] = osd
         if scheduler is not None:
             if "scheduler" in saved:
                 state["scheduler"] = b""

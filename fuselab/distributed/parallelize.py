@@ -6,11 +6,12 @@ activation checkpointing on each block (optional), ``torch.compile`` of each blo
 Each block is one FSDP unit: its parameters are all-gathered just before its forward and
 backward and freed after; gradients are reduce-scattered per block, overlapping the backward.
 
-fuselab's fused layers: fuse first, then shard (the fused layers' parameters are what FSDP
-gathers). ``fuse_linear_relu`` after ``fully_shard_model`` is safe but, today, fuses nothing: it
-leaves a Linear alone when it carries hooks (FSDP registers one on every layer it manages), and
-says so in its report. A fused layer whose weight is still a sharded DTensor (called outside its
-FSDP unit's all-gather) raises DTensor's error, naming ``fuselab.matmul_relu``.
+fuselab's fused layers: fuse before or after sharding. ``fuse_linear_relu`` after
+``fully_shard_model`` converts a sharded layer in place (its class changes, its FSDP bookkeeping
+stays), in transformers blocks that FSDP2 renamed too (``FSDPOPTDecoderLayer``). A fused layer
+whose weight is still a sharded DTensor (called outside its FSDP unit's all-gather) raises
+DTensor's error, naming ``fuselab.matmul_relu``. Sparse-gradient embeddings cannot be sharded
+(FSDP2 reduce-scatters dense gradients): ``ddp_model`` takes them.
 """
 import logging
 from typing import Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
@@ -168,6 +169,12 @@ def fully_shard_model(model: nn.Module, *, block_types: BlockTypes = None, mixed
 
     if not dist.is_initialized():
         raise RuntimeError("fully_shard_model needs a process group: call fuselab.distributed.init() first")
+    sparse = [name for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:  # FSDP2 reduce-scatters dense gradients only: its backward fails deep inside otherwise
+        raise ValueError(f"FSDP2 cannot shard sparse-gradient embeddings ({', '.join(sparse[:3])}"
+                         f"{', ...' if len(sparse) > 3 else ''}: sparse=True): use ddp_model (SparseAdamW works "
+                         "there) or sparse=False")
     if mesh is None:
         from fuselab.distributed.runtime import _RUNTIME
 

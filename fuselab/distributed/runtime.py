@@ -16,6 +16,7 @@ collectives, device meshes and DCP behave as under torchrun.
 NVLink multicast (NVLS) is switched off by default, before NCCL starts, in this process and in
 ``launch_environment()`` for launchers: on shared multi-GPU hosts it can take GPUs out of service.
 """
+import gc
 import logging
 import os
 import sys
@@ -199,6 +200,10 @@ def shutdown() -> None:
     """
     global _RUNTIME
     if dist.is_initialized():
+        # Garbage held in reference cycles (a finished DDP reducer, say) keeps the group and gloo's
+        # pending work alive until interpreter exit, where freeing them aborted a rank now and then
+        # ("terminate called without an active exception"): freed here, while the group is whole.
+        gc.collect()
         # Every rank past its last collective before any tears down: a gloo rank that destroys
         # its group while a peer still uses its connections can abort the peer at exit.
         if dist.get_world_size() > 1:

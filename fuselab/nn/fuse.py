@@ -190,16 +190,17 @@ _Swap = Tuple[str, nn.Module, str, Callable[[], nn.Module], str]
 def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
     swaps = []
     for name, block in model.named_modules():
-        adapter = HF_ADAPTERS.get(type(block).__name__)
-        if adapter is None:
+        # the class itself, or the one FSDP2's fully_shard derived FSDP<Name> from
+        cls = next((c for c in type(block).__mro__ if c.__name__ in HF_ADAPTERS), None)
+        if cls is None:
             continue
-        lin_attr, act_attr = adapter
+        lin_attr, act_attr = HF_ADAPTERS[cls.__name__]
         layer, act = getattr(block, lin_attr), getattr(block, act_attr)
         full = f"{name}.{lin_attr}" if name else lin_attr
         if type(act) is not nn.ReLU:
             why = f"activation is {type(act).__name__}, not ReLU"
-        elif not _adapter_matches(type(block), lin_attr, act_attr):
-            why = (f"{type(block).__name__}.forward no longer computes "
+        elif not _adapter_matches(cls, lin_attr, act_attr):
+            why = (f"{cls.__name__}.forward no longer computes "
                    f"{act_attr}({lin_attr}(x)) alone (another transformers version?)")
         else:
             why = _why_not_fusable(layer, act)

@@ -594,7 +594,10 @@ def test_traced_calls_use_the_op():
     (lambda: (torch.randint(0, 3, (4, 5)), torch.randint(0, 3, (5, 3))), TypeError, ["unsupported dtype torch.int64"]),
     (lambda: (torch.randn(()), torch.randn(5, 3)), ValueError, ["0-d"]),
     (lambda: (torch.randn(4, 5), torch.randn(5, 3, device="meta")), ValueError, ["one device", "a on cpu", "b on meta"]),
-], ids=["k-mismatch", "b-rank", "bias-size", "bias-rank", "mixed-dtype", "bias-dtype", "float64", "int", "scalar", "mixed-device"])
+    (lambda: (torch.randn(4, 5).to_sparse(), torch.randn(5, 3)), TypeError, ["a is a torch.sparse_coo tensor"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5, 3), torch.randn(3).to_sparse()), TypeError, ["bias is a torch.sparse_coo"]),
+], ids=["k-mismatch", "b-rank", "bias-size", "bias-rank", "mixed-dtype", "bias-dtype", "float64", "int", "scalar",
+        "mixed-device", "sparse-a", "sparse-bias"])
 def test_bad_input(args, exc, words):
     with pytest.raises(exc) as info:
         matmul_relu(*args())

@@ -577,3 +577,61 @@ def test_fx_path_leaves_alone_what_a_graph_module_would_drop_or_freeze():
         assert patched is model and not report.fused, report
         assert words in report.skipped["block.a"], report
         torch.testing.assert_close(patched(x), ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# Found by a skeptical-user probe: patches that changed what a model computes, silently
+# ----------------------------------------------------------------------------------------------
+
+
+def _bert_intermediate(cls=None):
+    bert = pytest.importorskip("transformers.models.bert.modeling_bert")
+    cls = cls or bert.BertIntermediate
+    return cls(bert.BertConfig(hidden_size=8, intermediate_size=16, hidden_act="relu"))
+
+
+def test_a_subclass_with_its_own_forward_is_not_patched_as_its_parent():
+    bert = pytest.importorskip("transformers.models.bert.modeling_bert")
+
+    class ResidualIntermediate(bert.BertIntermediate):  # the Linear's output is used beside the ReLU's
+        def forward(self, h):
+            pre = self.dense(h)
+            return self.intermediate_act_fn(pre) + 0.1 * pre
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_bert_intermediate(ResidualIntermediate))
+    x, ref = torch.randn(3, 8), copy.deepcopy(model)
+    model, report = fuse_linear_relu(model)
+    assert report.fused == [] and type(model[0].dense) is nn.Linear
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("container", ["sequential", "hf-block"])
+def test_a_forward_replaced_on_the_instance_keeps_its_layers(container):
+    import types
+
+    torch.manual_seed(0)
+    if container == "sequential":
+        block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        block.forward = types.MethodType(lambda self, x: self[1](self[0](x)) + self[0](x), block)
+    else:
+        block = _bert_intermediate()
+        block.forward = types.MethodType(lambda self, h: self.intermediate_act_fn(self.dense(h)) - self.dense(h),
+                                         block)
+    model = nn.Sequential(block)
+    x, ref = torch.randn(3, block[0].in_features if container == "sequential" else 8), copy.deepcopy(model)
+    model, report = fuse_linear_relu(model)
+    assert report.fused == [], str(report)
+    assert "forward" in " ".join(report.skipped.values())
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+
+
+def test_a_linear_with_extra_state_is_left_alone_and_modes_are_kept():
+    extra = nn.Linear(8, 16)
+    extra.register_buffer("scale", torch.ones(1))
+    model = nn.Sequential(extra, nn.ReLU(), nn.Linear(16, 16), nn.ReLU()).eval()
+    keys = list(model.state_dict())
+    model, report = fuse_linear_relu(model)
+    assert report.fused == ["2"] and "holds scale besides its weight and bias" in report.skipped["0"]
+    assert list(model.state_dict()) == keys  # the buffer would have vanished with the swap
+    assert not any(m.training for m in model.modules())  # the fused layer and its Identity: eval, as the model

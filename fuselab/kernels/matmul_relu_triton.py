@@ -339,10 +339,14 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, bias: Optional[t
 
 
 def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    dtype, device = a.dtype, a.device
-    same = (b.dtype == dtype and b.device == device
-            and (bias is None or (bias.dtype == dtype and bias.device == device)))
+    dtype, device, strided = a.dtype, a.device, torch.strided
+    same = (b.dtype == dtype and b.device == device and a.layout == strided and b.layout == strided
+            and (bias is None or (bias.dtype == dtype and bias.device == device and bias.layout == strided)))
     if not (same and dtype in SUPPORTED_DTYPES):  # the slow, message-building checks only on failure
+        for name, t in (("a", a), ("b", b), ("bias", bias)):
+            if t is not None and t.layout != strided:
+                raise TypeError(f"{name} is a {t.layout} tensor: matmul_relu takes dense (strided) tensors; "
+                                f"call .to_dense() first")
         check_same_device(a=a, b=b, bias=bias)
         check_same_dtype(a=a, b=b, bias=bias)
     if a.dim() < 1:

@@ -161,6 +161,10 @@ def _why_not_fusable(layer: nn.Module, act: Optional[nn.Module]) -> Optional[str
     if why is None and _fused_layer(layer) is None:
         cls = type(layer)
         why = f"a {cls.__module__}.{cls.__qualname__}, not exactly an nn.Linear (its forward may differ)"
+    extra = sorted(set(k for k, v in layer._parameters.items() if v is not None) - {"weight", "bias"})
+    extra += sorted(k for k, v in layer._buffers.items() if v is not None)
+    if why is None and extra:  # a fused layer holds the weight and bias only: these would vanish from its state
+        why = f"holds {', '.join(extra)} besides its weight and bias, which a fused layer would drop"
     if why is None and act is not None and (act_why := why_not_swapped(act)) is not None:
         why = f"its ReLU {act_why}"
     return why or why_not_fused(None, layer.weight, layer.bias, linear=type(layer) is nn.Linear)
@@ -190,15 +194,18 @@ _Swap = Tuple[str, nn.Module, str, Callable[[], nn.Module], str]
 def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
     swaps = []
     for name, block in model.named_modules():
-        # the class itself, or the one FSDP2's fully_shard derived FSDP<Name> from
+        # the class itself, or the one FSDP2's fully_shard derived FSDP<Name> from (a subclass that defines
+        # its own forward is not that block: its forward is not the one the adapter checked)
         cls = next((c for c in type(block).__mro__ if c.__name__ in HF_ADAPTERS), None)
-        if cls is None:
+        if cls is None or type(block).forward is not cls.forward:
             continue
         lin_attr, act_attr = HF_ADAPTERS[cls.__name__]
         layer, act = getattr(block, lin_attr), getattr(block, act_attr)
         full = f"{name}.{lin_attr}" if name else lin_attr
         if type(act) is not nn.ReLU:
             why = f"activation is {type(act).__name__}, not ReLU"
+        elif "forward" in vars(block):
+            why = f"its {type(block).__name__}'s forward is replaced on the instance"
         elif not _adapter_matches(cls, lin_attr, act_attr):
             why = (f"{cls.__name__}.forward no longer computes "
                    f"{act_attr}({lin_attr}(x)) alone (another transformers version?)")
@@ -219,8 +226,8 @@ def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:
             if not _is_linear_layer(layer):
                 continue
             full = f"{name}.{key}" if name else key
-            if type(seq).forward is not nn.Sequential.forward:
-                why = f"inside {type(seq).__name__}, an nn.Sequential subclass with its own forward"
+            if type(seq).forward is not nn.Sequential.forward or "forward" in vars(seq):
+                why = f"inside {type(seq).__name__}, an nn.Sequential with its own forward"
             elif isinstance(layer, _FUSED_LAYERS):
                 why = "already fused"
             elif type(act) is not nn.ReLU:
@@ -250,8 +257,9 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Option
     result, others = model, "not followed by ReLU in a known block or Sequential"
     if swaps:  # every decision is made: only assignments from here on
         for name, parent, layer_key, make_fused, act_key in swaps:
-            setattr(parent, layer_key, make_fused())
-            setattr(parent, act_key, nn.Identity())
+            training = getattr(parent, layer_key).training
+            setattr(parent, layer_key, make_fused().train(training))  # the model's mode, not a new module's
+            setattr(parent, act_key, nn.Identity().train(training))
             report.fused.append(name)
         report.method = "module patching"
     elif not any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):  # HF: adapters only
@@ -495,7 +503,7 @@ def fuse_relu_matmul(gm: torch.fx.GraphModule, filter_fn=None, skipped: Optional
     functions = [site for site in function_sites if filter_fn(site[1].name, None)]
     for target in modules:
         layer = gm.get_submodule(target)
-        gm.set_submodule(target, _fused_layer(layer)(layer))
+        gm.set_submodule(target, _fused_layer(layer)(layer).train(layer.training))
         for relu, prod in module_sites[target]:
             relu.replace_all_uses_with(prod)
             graph.erase_node(relu)

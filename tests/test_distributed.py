@@ -404,6 +404,10 @@ roll.keep = 2
 roll.load(model, path=roll.dir / "step_00000200")
 kept = roll.save(250, model)
 print("rollback", kept.exists(), roll.latest().name, " ".join(sorted(p.name for p in roll.dir.iterdir())))
+roll.save(300, model)
+roll.load(model, path=roll.dir / "step_00000250")
+roll.save(260, model)  # a second rollback past a step abandoned before: both kept
+print("rollback2", " ".join(sorted(p.name for p in roll.dir.iterdir() if p.name.startswith("abandoned"))))
 fd.shutdown()
 """
 
@@ -420,9 +424,10 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     proc = finish(proc, 120)
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
-                 ("smaller", "wider", "reserved", "unstepped", "rollback"))
+                 ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
     assert lines["unstepped"] == "0 0", lines
     assert lines["rollback"] == "True step_00000250 abandoned-step_00000300 step_00000200 step_00000250", lines
+    assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines

@@ -245,7 +245,10 @@ class Checkpointer:
         step = info["step"]
         later = [(n, path) for n, path in self.checkpoints() if n > step]
         for n, path in later:  # a run resumed from an earlier checkpoint: the later ones are another line now
-            os.replace(path, path.with_name(f"{ABANDONED}{path.name}"))
+            aside, again = path.with_name(f"{ABANDONED}{path.name}"), 1
+            while aside.exists():  # abandoned before, by another rollback
+                aside, again = path.with_name(f"{ABANDONED}{again}-{path.name}"), again + 1
+            os.replace(path, aside)
         if later:
             logger.warning("step %d saved after resuming from an earlier checkpoint: the later checkpoint(s) of "
                            "steps %s are renamed %s* (kept, and never resumed from or pruned)", step,

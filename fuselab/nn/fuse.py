@@ -194,10 +194,10 @@ _Swap = Tuple[str, nn.Module, str, Callable[[], nn.Module], str]
 def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
     swaps = []
     for name, block in model.named_modules():
-        # the class itself, or the one FSDP2's fully_shard derived FSDP<Name> from (a subclass that defines
-        # its own forward is not that block: its forward is not the one the adapter checked)
+        # the class itself, or the one FSDP2's fully_shard derived FSDP<Name> from (it wraps the forward);
+        # a subclass that defines its own forward is not that block: not the forward the adapter checked
         cls = next((c for c in type(block).__mro__ if c.__name__ in HF_ADAPTERS), None)
-        if cls is None or type(block).forward is not cls.forward:
+        if cls is None or inspect.unwrap(type(block).forward) is not inspect.unwrap(cls.forward):
             continue
         lin_attr, act_attr = HF_ADAPTERS[cls.__name__]
         layer, act = getattr(block, lin_attr), getattr(block, act_attr)

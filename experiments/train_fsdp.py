@@ -127,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if not 0 <= args.min_lr_ratio <= 1:
         p.error(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-    params = 12 * args.n_layer * args.n_embd ** 2 + 50_304 * args.n_embd  # blocks and the (tied) embedding
+    params = 12 * args.n_layer * args.n_embd ** 2 + padded_vocab(args) * args.n_embd  # blocks, tied embedding
     if args.device == "cpu" and params > CPU_MAX_PARAMS:
         p.error(f"a {params / 1e9:.2f}B-parameter GPT-2 on the CPU would take minutes a step: add --tiny (or a "
                 f"smaller --n-embd/--n-layer, up to {CPU_MAX_PARAMS / 1e6:.0f}M parameters), or run it on a GPU")

@@ -76,9 +76,11 @@ def _as_linear(layer: nn.Module) -> nn.Module:
 
 
 def _int8_k_limit(layer, name, config) -> Optional[str]:
-    if not isinstance(layer, nn.Conv2d) and _as_linear(layer).in_features > INT8_MAX_K:  # Conv2d: why_not_int8_conv2d
-        return (f"in_features = {_as_linear(layer).in_features} is above the int8 GEMM's K limit {INT8_MAX_K} "
-                "(its int32 sums could overflow)")
+    if isinstance(layer, nn.Conv2d):  # its K is C*kh*kw: why_not_int8_conv2d
+        return None
+    k = layer.in_features if isinstance(layer, nn.Linear) else layer.weight.shape[0]  # a Conv1D's is (in, out)
+    if k > INT8_MAX_K:
+        return f"in_features = {k} is above the int8 GEMM's K limit {INT8_MAX_K} (its int32 sums could overflow)"
     return None
 
 

@@ -58,26 +58,23 @@ def parser() -> argparse.ArgumentParser:
                         help=f"the kernel's: {', '.join(f'{k}: {list(e.dtypes)}' for k, e in KERNELS.items())} "
                              "(default: its first)")
     checks.add_argument("--layouts", default=None,
-                        help="the kernel's (matmul_relu: linear, matmul; default both, matmul for --first-call; "
-                             "scaled_gemm: linear)")
+                        help=f"the kernel's: {', '.join(f'{k}: {list(e.layouts)}' for k, e in KERNELS.items())} "
+                             "(default: its check_defaults)")
     checks.add_argument("--ops", default=None,
                         help=f"the kernel's: {', '.join(f'{k}: {list(e.ops)}' for k, e in KERNELS.items())} "
-                             "(default: fwd,bwd for matmul_relu's --check-heldout, else fwd)")
+                             "(default: its check_defaults)")
     p.add_argument("--plot-dir", type=Path, default=None, help="--plot's folder (default: beside the results)")
     return p
 
 
 def _check_problems(p: argparse.ArgumentParser, args) -> List[grid.Problem]:
     first, entry = args.first_call, KERNELS[args.kernel]
-    gemm = args.kernel == "matmul_relu"
-    benchmark = grid.BENCHMARK_SHAPES if gemm else grid.QUANT_BENCHMARK_SHAPES
-    defaults = grid.TINY_SHAPES if INTERPRET else benchmark if first else grid.HELDOUT_SHAPES
+    defaults = grid.TINY_SHAPES if INTERPRET else entry.benchmark_shapes if first else grid.HELDOUT_SHAPES
     shapes = grid.parse_shapes(args.shapes) if args.shapes else defaults
-    layouts = ("matmul" if first else "linear,matmul") if gemm else next(iter(entry.layouts))
+    layouts, ops = entry.check_defaults["first_call" if first else "heldout"]
     block = {"kernel": args.kernel, "shapes": [list(s) for s in shapes],
              "dtypes": (args.dtypes or next(iter(entry.dtypes))).split(","),
-             "layouts": (args.layouts or layouts).split(","),
-             "ops": (args.ops or ("fwd,bwd" if gemm and not first else "fwd")).split(",")}
+             "layouts": (args.layouts or layouts).split(","), "ops": (args.ops or ops).split(",")}
     return grid.problems([block], KERNELS)
 
 

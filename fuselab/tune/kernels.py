@@ -22,7 +22,7 @@ import torch
 import triton
 
 from fuselab.kernels._autotune import LibraryChoice, bound_args
-from fuselab.tune.grid import Problem
+from fuselab.tune.grid import BENCHMARK_SHAPES, QUANT_BENCHMARK_SHAPES, Problem
 
 
 @dataclass
@@ -142,6 +142,8 @@ class MatmulReLU:
     layouts = {"linear": "b = weight.t(), weight (N, K) row-major, as nn.Linear and linear_relu",
                "matmul": "b (K, N) row-major, as experiments/bench_matmul_relu.py"}
     baselines = {"fwd": "cuBLASLt", "fwd-nobias": "cuBLASLt", "grad_a": "cuBLAS", "grad_b": "cuBLAS"}
+    benchmark_shapes = BENCHMARK_SHAPES  # experiments/bench_matmul_relu.py's: --first-call's default
+    check_defaults = {"first_call": ("matmul", "fwd"), "heldout": ("linear,matmul", "fwd,bwd")}  # (layouts, ops)
     _products = {"_grad_a": "grad_a", "_grad_b": "grad_b"}  # the backward's functions in matmul_relu_triton.py
 
     def tuner(self):
@@ -224,6 +226,8 @@ class ScaledGemm:
     ops = ("fwd", "fwd-nobias")
     dtypes = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
     layouts = {"linear": "b = weight.t(), the (N, K) quantized weight row-major, as the quantized layers"}
+    benchmark_shapes = QUANT_BENCHMARK_SHAPES  # experiments/bench_quant.py's
+    check_defaults = {"first_call": ("linear", "fwd"), "heldout": ("linear", "fwd")}
 
     def tuner(self):
         return importlib.import_module("fuselab.quant._scaled_gemm").scaled_gemm_kernel

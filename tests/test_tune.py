@@ -4,6 +4,7 @@ Everything runs in the Triton interpreter (conftest), where ``--dry-run`` sweeps
 Shipped config files are written into temporary folders (``--configs-dir`` / ``SHIPPED_CONFIGS_DIR``),
 never into the package.
 """
+import dataclasses
 import importlib
 import json
 import logging
@@ -178,6 +179,17 @@ def test_precompile_in_a_worker_process(capsys):
     assert sum(len(names) for item in planned for _, names in item.kinds.values()) == 3 + 2 * 2  # cuBLAS: nothing
     sweep.precompile(planned, jobs=1)
     assert "did not compile" not in capsys.readouterr().err
+
+
+def test_precompile_compiles_each_config_with_a_problem_that_lists_it():
+    # Pruning is per shape: on the H200, BLOCK_M=16 configs of a kind exist for its small-M problems only,
+    # and compiling them with the kind's first problem failed ("not among ... configs").
+    large, small = TINY[0], dataclasses.replace(TINY[0], M=16)
+    kind = ("matmul_relu_kernel", (), (), ())
+    planned = [sweep.Planned(large, kinds={kind: ("fwd", {"big tile"})}),
+               sweep.Planned(small, kinds={kind: ("fwd", {"big tile", "small tile"})})]
+    tasks = sweep.precompile_tasks(planned)
+    assert sorted(tasks, key=lambda t: t[0].M) == [(small, "fwd", ["small tile"]), (large, "fwd", ["big tile"])]
 
 
 def test_resume_refuses_results_of_another_kernel_version(tmp_path, swept, capsys):
@@ -357,6 +369,19 @@ def test_plots_from_the_sweep(swept, tmp_path):
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
     ops = ("fwd_linear", "fwd_matmul", "grad_a_linear", "grad_b_linear", "int8_fwd_linear", "fp8_fwd_linear")
     assert names == sorted(f"{op}-{kind}.png" for op in ops for kind in ("tflops", "ratio", "tiles"))
+
+
+def test_plots_leave_a_dtype_without_some_k_blank(swept, tmp_path):
+    # The real H200 grid times fp8 at K values bf16 never sees: a (dtype, K) panel with no cell is blank.
+    pytest.importorskip("matplotlib")
+    data = json.loads(swept[0].read_text())
+    extra = [dict(r, dtype="fp16", shape=r["shape"].rsplit("x", 1)[0] + "x48", key=r["key"] + "-fp16")
+             for r in data["rows"] if r["op"] == "fwd matmul"]
+    data["rows"] += extra
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(data))
+    assert main(["--plot", str(path), "--plot-dir", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "fwd_matmul-tflops.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("argv,words", [

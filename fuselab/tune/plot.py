@@ -65,6 +65,9 @@ def _heatmaps(plt, cs: List[dict], value: str, text, title: str, path: Path, cma
         for j, k in enumerate(ks):
             ax = axes[i][j]
             panel = [c for c in cs if c["dtype"] == dtype and c["K"] == k]
+            if not panel:  # the grid times this K in other dtypes only
+                ax.axis("off")
+                continue
             ms, ns = sorted({c["M"] for c in panel}), sorted({c["N"] for c in panel})
             grid = [[float("nan")] * len(ns) for _ in ms]
             for c in panel:

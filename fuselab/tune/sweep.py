@@ -189,23 +189,32 @@ def _precompile_task(problem: Problem, product: str, names: List[str]) -> Tuple[
     return len(names), errors
 
 
-def precompile(planned: List[Planned], jobs: int) -> None:
-    """Compile what ``planned`` will time, one task per kind of launch, in ``jobs`` processes."""
-    tasks: Dict[tuple, Tuple[Problem, str, Set[str]]] = {}
+def precompile_tasks(planned: List[Planned]) -> List[Tuple[Problem, str, List[str]]]:
+    """(problem, product, config names): each config of a kind of launch compiled once, with a problem
+    whose launch lists it (pruning is per shape: a kind's small-M configs exist for small M only)."""
+    owner: Dict[tuple, Dict[str, Tuple[Problem, str]]] = {}
     for item in planned:
         for kind, (product, names) in item.kinds.items():
-            if kind in tasks:
-                tasks[kind][2].update(names)
-            else:
-                tasks[kind] = (item.problem, product, set(names))
-    total = sum(len(names) for _, _, names in tasks.values())
+            for name in names:
+                owner.setdefault(kind, {}).setdefault(name, (item.problem, product))
+    tasks: Dict[tuple, Tuple[Problem, str, List[str]]] = {}
+    for kind, names in owner.items():
+        for name, (problem, product) in names.items():
+            tasks.setdefault((kind, problem), (problem, product, []))[2].append(name)
+    return [(problem, product, sorted(names)) for problem, product, names in tasks.values()]
+
+
+def precompile(planned: List[Planned], jobs: int) -> None:
+    """Compile what ``planned`` will time (``precompile_tasks``) in ``jobs`` processes."""
+    tasks = precompile_tasks(planned)
+    total = sum(len(names) for _, _, names in tasks)
     if jobs < 1 or total == 0:
         return
     bar = progress(total, f"compiling ({jobs} processes)")
     errors: List[str] = []
     try:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_precompile_task, p, product, sorted(names)) for p, product, names in tasks.values()]
+            futures = [pool.submit(_precompile_task, p, product, names) for p, product, names in tasks]
             for future in as_completed(futures):
                 try:
                     n, errs = future.result()

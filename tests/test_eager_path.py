@@ -5,6 +5,7 @@ launches run on the GPU (the ``gpu`` tests below): each result must equal the Py
 """
 import importlib
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,36 @@ def test_extension_builds_and_declines_what_it_does_not_serve(ext):
     assert ext.matmul_relu(x, w, b, True, True) is None  # a CPU tensor: the Python path's
     assert ext.matmul_relu(x.double(), w.double(), None, True, False) is None
     assert ext.matmul_relu([1.0], w, b, True, False) is None  # not a tensor: the Python path raises
+
+
+def test_a_build_with_a_matching_stamp_is_imported_without_cpp_extension(tmp_path, env, monkeypatch):
+    # cpp_extension.load imports its build machinery and runs ninja: ~0.5 s of each process's first call.
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path))
+    settings.reload()
+    from torch.utils import cpp_extension
+
+    built, imported = [], []
+
+    def load(name, build_directory, **kwargs):
+        built.append(name)
+        library = Path(build_directory) / f"{name}.so"
+        library.write_bytes(b"")
+        return types.SimpleNamespace(__file__=str(library))
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(eager_path, "_import_extension", lambda name, library: imported.append(library) or "module")
+    eager_path.build()
+    assert (built, imported) == (["fuselab_eager_path"], [])
+    assert eager_path.build() == "module" and len(built) == 1  # the stamp matches: imported from its file
+    assert imported[0].name == "fuselab_eager_path.so"
+    imported[0].unlink()
+    eager_path.build()
+    assert len(built) == 2  # the library is gone: built again
+    monkeypatch.setattr(eager_path, "_build_stamp", lambda flags: "another source")
+    eager_path.build()
+    assert len(built) == 3 and len(imported) == 1  # the source (or flags, torch, Triton) changed: built again
+    eager_path.build(verbose=True)
+    assert len(built) == 4  # verbose shows the build's output: never served from the stamp
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ into ``$FUSELAB_CACHE_DIR/torch_extensions`` with the C++ compiler alone: CUDA's
 Triton, the driver is opened at run time. A failed build warns once and leaves the Python path.
 """
 import contextlib
+import json
 import struct
 import sys
 import warnings
@@ -28,6 +29,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 from fuselab import settings
+from fuselab._io import write_json_atomic
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "eager_path.cpp"
 
@@ -164,17 +166,58 @@ def _load():
 
 
 def build(verbose: bool = False):
-    """Compile ``csrc/eager_path.cpp`` (cached on disk) and import it; RuntimeError if it fails."""
+    """Compile ``csrc/eager_path.cpp`` (cached on disk) and import it; RuntimeError if it fails.
+
+    A build whose stamp (``_build_stamp``) matches is imported directly: ``cpp_extension.load`` would
+    import its build machinery and run ninja first, half a second of every process's first fused call."""
     import triton
-    from torch.utils import cpp_extension
 
     cuda_headers = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    flags = dict(extra_include_paths=[str(cuda_headers)], extra_cflags=["-O2"], extra_ldflags=["-lc10_cuda"])
     name = "fuselab_eager_path"
     build_dir = settings.CACHE_DIR.get() / "torch_extensions" / f"torch-{torch.__version__}" / name
+    stamp_file, stamp = build_dir / "fuselab-build.json", _build_stamp(flags)
+    built = _read_stamp(stamp_file, stamp)
+    if built is not None and not verbose:
+        return _import_extension(name, built)
+    from torch.utils import cpp_extension
+
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / f"{name}.so").exists():
         print(f"fuselab: building the C++ eager path into {build_dir} (once per torch version, about a minute)",
               file=sys.stderr, flush=True)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
-                              extra_include_paths=[str(cuda_headers)], extra_cflags=["-O2"],
-                              extra_ldflags=["-lc10_cuda"], with_cuda=False, verbose=verbose)
+    ext = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), with_cuda=False,
+                             verbose=verbose, **flags)
+    write_json_atomic(stamp_file, {"stamp": stamp, "library": Path(ext.__file__).name})
+    return ext
+
+
+def _build_stamp(flags: dict) -> str:
+    """What the built library depends on: the source, the flags, torch, Triton (its CUDA headers), Python."""
+    import hashlib
+
+    import triton
+
+    parts = [SOURCE.read_bytes(), repr(sorted(flags.items())).encode(), torch.__version__.encode(),
+             triton.__version__.encode(), sys.version.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+
+def _read_stamp(stamp_file: Path, stamp: str) -> Optional[Path]:
+    """The library a build with this ``stamp`` left, or None (no build, another stamp, a missing file)."""
+    try:
+        record = json.loads(stamp_file.read_text())
+        library = stamp_file.parent / record["library"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return library if record.get("stamp") == stamp and library.is_file() else None
+
+
+def _import_extension(name: str, library: Path):
+    """Import a built extension module from its file (as ``cpp_extension`` does once it has built it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -443,6 +444,38 @@ def test_first_call_records_a_timed_out_case_and_saves_each_case(tmp_path):
                                 save=lambda r: saved.append(len(r.failed)))
     assert saved == [2, 4]  # after each case, each process timed out (it raised TimeoutExpired, losing all)
     assert {f["error"] for f in results.failed} == {"timed out after 0.01 s"}
+
+
+def test_first_call_builds_the_cpp_path_once_and_each_case_starts_with_it(tmp_path, monkeypatch):
+    # The cold case measured the C++ eager path's one-time build (~25 s on the H200), not the shape's compile.
+    from fuselab.tune import checks
+
+    calls, seen, real_run = [], set(), subprocess.run
+
+    def run(argv, env=None, **kwargs):
+        if env is None:  # not the check's processes (git, for the run's environment)
+            return real_run(argv, **kwargs)
+        cache = Path(env["FUSELAB_CACHE_DIR"])
+        if argv[1] == "-c":  # the build
+            (cache / "torch_extensions").mkdir(parents=True)
+            (cache / "torch_extensions" / "built.so").write_text("")
+            calls.append("build")
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        assert (cache / "torch_extensions" / "built.so").is_file()  # every case starts with the build
+        if cache not in seen:  # a case's cold process: nothing an earlier case tuned
+            assert not (cache / "autotune").exists()
+            seen.add(cache)
+        (cache / "autotune").mkdir(exist_ok=True)
+        calls.append("case")
+        return subprocess.CompletedProcess(argv, 0, json.dumps({"seconds": 0.1, "tunings": [], "configs": []}), "")
+
+    monkeypatch.setattr(checks.subprocess, "run", run)
+    problems = grid.problems([{"shapes": [[64, 48, 32], [20, 40, 24]], "dtypes": ["bf16"], "layouts": ["matmul"],
+                               "ops": ["fwd"]}], KERNELS)
+    results = checks.first_call(problems, sweep.Options(mode="wall"), None, build_cpp=True)
+    assert calls == ["build"] + ["case"] * 4
+    assert [r["op"] for r in results.rows] == [checks.CPP_BUILD] + ["fwd"] * 4
+    assert results.rows[0]["metric"] == "build s"
 
 
 def test_dry_run_checks_default_to_the_tiny_shapes():

@@ -7,8 +7,9 @@ flattered by its noise), and the ratio of their medians is reported: 1.00 means 
 the best one, the target is <= 1.05 on every shape. Study ``tune_heldout``: providers ``shipped`` and
 ``exhaustive best`` (the baseline), metric ``ms``; a key with no shipped choice is listed as failed.
 
-``first_call``: a fresh Python process per case (``first_call.py``), with an empty fuselab cache, times
-its first call of the op (inputs already on the GPU, CUDA and Triton's driver initialized): twice, with an
+``first_call``: a fresh Python process per case (``first_call.py``), with a fuselab cache that holds only
+the C++ eager path (built once before the cases, in its own timed process: once per install, not per
+shape; op ``C++ eager path build``, metric ``build s``), times its first call of the op (inputs already on the GPU, CUDA and Triton's driver initialized): twice, with an
 empty Triton cache (``cold``: what a new user's first call costs, compiling the kernel and its launcher
 included) and then with the Triton cache the first process filled (``warm``). Each reports the keys the
 tuner timed: with a shipped file that covers the shape, none. Study ``tune_first_call``, metric ``first
@@ -16,15 +17,18 @@ call s``; target <= 0.5 s.
 """
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
 
+from fuselab import settings
 from fuselab._results import Results, environment
 from fuselab.kernels import _autotune
 from fuselab.tune.grid import Problem
@@ -123,9 +127,14 @@ def _check_launch(results, problem, launch, path, options, rounds) -> list:
 
 
 def first_call(problems: List[Problem], options: Options, directory: Optional[Path] = None,
-               timeout_s: float = 600, save: Callable[[Results], None] = _no_save) -> Results:
+               timeout_s: float = 600, save: Callable[[Results], None] = _no_save,
+               build_cpp: Optional[bool] = None) -> Results:
     """Each problem's ops, first call in a fresh process, cold then warm Triton cache (module docstring);
-    a case past ``timeout_s`` is recorded as failed. ``save(results)`` runs after each case."""
+    a case past ``timeout_s`` is recorded as failed. ``save(results)`` runs after each case.
+
+    The C++ eager path is built once per install, not per shape: with ``build_cpp`` (default: on a
+    GPU, the path on) it is built first, timed as its own row (op ``C++ eager path build``), and every
+    case's fresh cache starts with that build."""
     if device() is None:
         raise SweepError("--first-call needs a CUDA GPU (or --dry-run, the Triton interpreter: the machinery only)")
     results = Results("tune_first_call")
@@ -134,23 +143,52 @@ def first_call(problems: List[Problem], options: Options, directory: Optional[Pa
     cases = [(p, op) for p in problems for op in p.ops]
     bar = progress(2 * len(cases), "first calls", unit="process")
     lines = []
-    try:
-        with terminated_as_interrupt():
-            for problem, op in cases:
-                lines.append(_first_call_case(results, problem, op, options, directory, timeout_s, bar))
-                save(results)
-    finally:
-        bar.close()
+    with tempfile.TemporaryDirectory(prefix="fuselab-first-call-build-") as built:
+        if build_cpp if build_cpp is not None else device() == "cuda" and settings.EAGER_CPP.get():
+            _build_cpp_path(results, Path(built), options, timeout_s)
+        try:
+            with terminated_as_interrupt():
+                for problem, op in cases:
+                    lines.append(_first_call_case(results, problem, op, options, directory, timeout_s, bar,
+                                                  Path(built)))
+                    save(results)
+        finally:
+            bar.close()
     print(_table(["shape", "dtype", "layout", "op", "cold s", "keys tuned", "warm s", "keys tuned"], lines))
     print(f"target: <= {FIRST_CALL_TARGET_S} s and no key tuned (the shipped file covers the shape)")
     return results
 
 
+CPP_BUILD = "C++ eager path build"
+
+
+def _build_cpp_path(results: Results, cache: Path, options: Options, timeout_s: float) -> None:
+    """Build the C++ eager path into ``cache`` in its own process, timed: a row of op ``CPP_BUILD``."""
+    common = dict(op=CPP_BUILD, provider="once per install", shape="-", dtype="-", mode=options.mode)
+    t0 = time.perf_counter()
+    try:
+        run = subprocess.run([sys.executable, "-c", "from fuselab.kernels import eager_path; eager_path.build()"],
+                             env=dict(os.environ, FUSELAB_CACHE_DIR=str(cache)), capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        results.fail(**common, error=f"timed out after {timeout_s:g} s")
+        return
+    seconds = time.perf_counter() - t0
+    if run.returncode != 0:
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        results.fail(**common, error=f"exit status {run.returncode}: {tail}")
+    else:
+        results.record(**common, metric="build s", value=(seconds,) * 3)
+    print(f"{CPP_BUILD}: {seconds:.1f} s (once per install; every case below starts with it)")
+
+
 def _first_call_case(results: Results, problem: Problem, op: str, options: Options, directory: Optional[Path],
-                     timeout_s: float, bar) -> list:
-    """One case's two processes (cold, then warm Triton cache), recorded; its table line."""
+                     timeout_s: float, bar, built: Path) -> list:
+    """One case's two processes (cold, then warm Triton cache), recorded; its table line. Its fuselab
+    cache starts with what ``built`` holds (the C++ eager path), and nothing else."""
     line = [problem.shape, problem.dtype, problem.layout, op]
     with tempfile.TemporaryDirectory(prefix="fuselab-first-call-") as tmp:
+        shutil.copytree(built, Path(tmp) / "fuselab")
         env = dict(os.environ, FUSELAB_CACHE_DIR=str(Path(tmp) / "fuselab"), TRITON_CACHE_DIR=str(Path(tmp) / "triton"))
         spec = {"kernel": problem.kernel, "M": problem.M, "N": problem.N, "K": problem.K, "dtype": problem.dtype,
                 "layout": problem.layout, "op": op, "configs_dir": str(directory) if directory else None}

@@ -331,6 +331,26 @@ training step's GPU time also depends on the backward GEMMs' kernels.""",
         views=(View("ms", index=("shape", "mode"), split=("op",), title="{op}: ms per step"),
                View("host ms", index=("shape", "mode"), split=("op",), title="{op}: host ms to enqueue a step")),
         orders={"op": ["infer", "train"], "provider": ["stock", "fuselab", "fuselab-python", "norelu"]}),
+    "tune_heldout": Spec(
+        title="Shipped autotune choices on shapes the sweep did not time",
+        prose="""\
+`python -m fuselab.tune --check-heldout` on the GPU the configs file was swept on: for each launch (the
+forward and both backward products) of shapes outside the sweep's grid (`fuselab.tune.grid.HELDOUT_SHAPES`),
+every pruned config and library choice is timed; the shipped choice for the launch's tuning key and the
+fastest are then timed again, alternately, three times, and `shipped x exhaustive best` is the ratio of
+their medians (1.00: the shipped choice is the best one; below 0.95 misses the issue's 5% target).
+`ms` is do_bench's median, eager.""",
+        command="python -m fuselab.tune --check-heldout --out results/tune_heldout.json"),
+    "tune_first_call": Spec(
+        title="A fresh process's first fused call with the shipped configs",
+        prose="""\
+`python -m fuselab.tune --first-call`: for each benchmark shape, a fresh Python process times its first
+call of the op (inputs on the GPU and CUDA initialized before the clock) with an empty Triton cache
+(`cold`: the kernel and its launcher compile) and again with the cache the first process filled
+(`warm`); `tunings` in the results lists the keys the tuner had to time (none where the shipped file
+covers the shape). Runs before the C++ eager path was built once ahead of the cases include its build
+in the cold case.""",
+        command="python -m fuselab.tune --first-call --out results/tune_first_call.json"),
     "distill_quantize": Spec(
         title="Distillation and quantization on Fashion-MNIST",
         prose="""\

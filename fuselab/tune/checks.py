@@ -7,13 +7,13 @@ flattered by its noise), and the ratio of their medians is reported: 1.00 means 
 the best one, the target is <= 1.05 on every shape. Study ``tune_heldout``: providers ``shipped`` and
 ``exhaustive best`` (the baseline), metric ``ms``; a key with no shipped choice is listed as failed.
 
-``first_call``: a fresh Python process per case (``first_call.py``), with a fuselab cache that holds only
-the C++ eager path (built once before the cases, in its own timed process: once per install, not per
-shape; op ``C++ eager path build``, metric ``build s``), times its first call of the op (inputs already on the GPU, CUDA and Triton's driver initialized): twice, with an
-empty Triton cache (``cold``: what a new user's first call costs, compiling the kernel and its launcher
-included) and then with the Triton cache the first process filled (``warm``). Each reports the keys the
-tuner timed: with a shipped file that covers the shape, none. Study ``tune_first_call``, metric ``first
-call s``; target <= 0.5 s.
+``first_call``: a fresh Python process per case (``first_call.py``), with a fuselab cache that holds
+only the C++ eager path (built once before the cases, in its own timed process: once per install, not
+per shape; op ``C++ eager path build``, metric ``build s``), times its first call of the op (inputs
+already on the GPU, CUDA and Triton's driver initialized): twice, with an empty Triton cache (``cold``:
+what a new user's first call costs, compiling the kernel and its launcher included) and then with the
+Triton cache the first process filled (``warm``). Each reports the keys the tuner timed: with a shipped
+file that covers the shape, none. Study ``tune_first_call``, metric ``first call s``; target <= 0.5 s.
 """
 import json
 import os

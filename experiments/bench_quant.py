@@ -43,6 +43,7 @@ kernels autotune on first use (once per GPU, cached): a fresh machine spends min
     python -m experiments.bench_quant --ops "int8 gemm,fp8 gemm" --results         # the GEMMs only,
     python -m experiments.bench_quant --ops prefill --sizes opt-1.3b,opt-350m --results --merge  # then prefill
     python -m experiments.report                                  # docs/results/quant_gemm.md from results/
+    python -m experiments.bench_quant --ops prefill --sizes opt-1.3b --profile    # each prefill's top GPU kernels
 """
 import argparse
 import copy
@@ -56,6 +57,7 @@ from experiments.harness import (
     Results,
     add_output_args,
     cycle,
+    kernel_table,
     output_path,
     pivot,
     positive_float,
@@ -338,6 +340,8 @@ def measure_prefill(results: Results, size: str, tokens: Tuple[int, int], args, 
             timing = time_call(step, "wall", rep_ms=args.rep_ms)
             results.record(**keys, provider=name, metric="ms", value=timing, **info)
             results.record(**keys, provider=name, metric="rel err", value=err)
+            if args.profile:
+                print(f"\n{keys['shape']}, {name}: where a forward's GPU time goes\n{kernel_table(step, steps=2)}")
         except Exception as e:  # noqa: BLE001  out of memory, no fp8 tensor cores, a layer that would not quantize
             _report_failure(results, dict(keys, provider=name), ["wall"], e)
         finally:
@@ -413,6 +417,8 @@ def main(argv=None):
                    help=f"prefill model sizes, comma-separated: of {[s for s in OPT_SIZES if s != 'tiny']}")
     p.add_argument("--tokens", type=parse_tokens, default=(8, 1024), help="prefill BATCHxSEQ (default 8x1024)")
     p.add_argument("--rep-ms", type=positive_int, default=100, help="milliseconds of timed calls per measurement")
+    p.add_argument("--profile", action="store_true",
+                   help="prefill: also print each provider's top GPU kernels per forward (torch.profiler)")
     p.add_argument("--budget-min", type=positive_float, default=None,
                    help="start no new shape or model after this many minutes (what ran is saved)")
     add_output_args(p)

@@ -308,6 +308,43 @@ def geomean(values: Iterable[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def profile_steps(step: Callable[[], object], steps: int = 3):
+    """A ``torch.profiler`` profile (CPU, and CUDA where there is one) of ``steps`` calls of ``step``,
+    after one unprofiled call (first-call work left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    return prof
+
+
+def kernel_table(step: Callable[[], object], steps: int = 3, top: int = 15) -> str:
+    """Where the time of a call of ``step`` goes, as a markdown table: its ``top`` GPU kernels by device
+    time (on a machine without a GPU, its operators by self CPU time), calls and microseconds per call."""
+    from torch.autograd import DeviceType
+
+    prof = profile_steps(step, steps)
+    totals: Dict[str, List[float]] = {}
+    if torch.cuda.is_available():
+        for e in prof.profiler.kineto_results.events():
+            if e.device_type() == DeviceType.CUDA:
+                total = totals.setdefault(e.name(), [0, 0.0])
+                total[0] += 1
+                total[1] += e.duration_ns() / 1e3
+    else:
+        totals = {e.key: [e.count, e.self_cpu_time_total] for e in prof.key_averages()}
+    whole = sum(us for _, us in totals.values()) or 1.0
+    lines = [[name[:90], f"{calls / steps:g}", f"{us / steps:,.1f}", f"{100 * us / whole:.1f}"]
+             for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
+    what = "kernel" if torch.cuda.is_available() else "operator (self CPU time)"
+    return markdown_table([what, "calls per call", "us per call", "% of the total"], lines)
+
+
 def tuned_choice(call: Callable[[], object], kernel_name: str) -> Optional[str]:
     """The autotuner's choice for the launch that ``call`` makes of fuselab's Triton kernel
     ``kernel_name`` (None if none is found). ``call`` runs once with every launch plan forgotten, so it

@@ -63,14 +63,8 @@ def gpu_timeline(step, steps: int = 3):
     """(busy ms per step, idle ms per step, {kernel name: [gaps before it, total gap us]}) from a
     profiler trace of ``steps`` steps: idle is the GPU span minus the union of its intervals."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    step()
-    harness.sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        harness.sync()
+    prof = harness.profile_steps(step, steps)
     events = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
                     for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
     if not events:

@@ -556,6 +556,15 @@ def test_bench_matmul_relu_measures_every_peer_in_both_modes_on_a_cpu(monkeypatc
 # ----------------------------------------------------------------------------------------------
 
 
+def test_kernel_table_names_where_a_call_spends_its_time():
+    x = torch.randn(256, 256)
+    table = harness.kernel_table(lambda: torch.relu(x @ x).sum(), steps=2)
+    header, rule, *lines = table.splitlines()
+    assert header.startswith("| operator (self CPU time) | calls per call |") and lines
+    assert any("aten::mm" in line for line in lines), table
+    assert all(float(line.split("|")[4]) <= 100 for line in lines)  # % of the total
+
+
 def test_bench_quant_help_names_every_op_and_provider(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_quant.main(["--help"])

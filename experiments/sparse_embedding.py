@@ -12,7 +12,8 @@
                                              Python docs) through a 50,257 x 768 table
        movielens-users, movielens-items      MovieLens-100k's real user / item ids (943 / 1,682 x 128)
 
-   eager and replayed from a CUDA graph, for SparseAdamW, SparseAdam (the baseline), fused dense AdamW
+   eager, replayed from a CUDA graph and ``host`` (the host's time to enqueue a step: where it exceeds
+   the graph's, the eager step waits for the host), for SparseAdamW, SparseAdam (the baseline), fused dense AdamW
    and sparse Adagrad, beside the forward and sparse backward alone (provider ``fwd+bwd only``: the
    part of a step no optimizer can shorten); peak memory; each optimizer's step alone, and
    SparseAdamW's against its bytes floor (gradient rows and ids read once, p, m, v of the touched rows
@@ -51,6 +52,7 @@ from experiments.harness import (
     add_output_args,
     copy_bandwidth_gbs,
     cycle,
+    kernel_table,
     markdown_table,
     output_path,
     parse_device,
@@ -93,6 +95,9 @@ def sparse_adagrad(params, device):
 
 
 DENSE = {"AdamW (dense, fused)"}  # its embeddings are dense (sparse=False)
+# eager and graph as everywhere, and host: the time to enqueue a step (batches of steps, no sync inside a
+# batch), which bounds an eager step from below wherever the GPU finishes first
+TIMED_MODES = ("eager", "graph", "host")
 NO_STEP = "fwd+bwd only"  # the sparse forward and backward with no optimizer step: the shared floor
 CAPTURABLE = {"SparseAdamW", "AdamW (dense, fused)"}  # the others coalesce(): a host sync, no CUDA graph
 NOT_CAPTURABLE = "coalesce() waits for the host: the step cannot be captured in a CUDA graph"
@@ -257,7 +262,7 @@ def floor_bytes(ids: torch.Tensor, dim: int, elem: int = 4) -> Tuple[int, int, i
 
 
 def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, results: Results, rep_ms: float,
-                   bandwidth: float) -> None:
+                   bandwidth: float, profile: bool = False) -> None:
     """Every optimizer on one stream: fwd+bwd+step and the step alone, eager and graph, peak memory."""
     device = batches.device
     shape = f"{name}, {rows:,} x {dim}"
@@ -274,7 +279,7 @@ def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, result
 
     shared = cycle(fwd_bwd, [(b,) for b in batches])
     shared()
-    for mode in ("eager", "graph"):
+    for mode in TIMED_MODES:
         results.record(op="fwd+bwd+step", provider=NO_STEP, shape=shape, dtype="fp32", mode=mode, metric="ms",
                        value=time_call(shared, mode, rep_ms=rep_ms))
     del emb, shared
@@ -299,15 +304,17 @@ def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, result
         for op, fn in (("fwd+bwd+step", step), ("step", opt.step)):
             if op == "step":
                 train_step(batches[0])  # the gradient the step alone applies, again and again
-            for mode in ("eager", "graph"):
+            for mode in TIMED_MODES:
                 if mode == "graph" and provider not in CAPTURABLE:
                     results.fail(op=op, mode=mode, error=NOT_CAPTURABLE, **keys)
                     continue
                 timing = time_call(fn, mode, rep_ms=rep_ms)
                 results.record(op=op, mode=mode, metric="ms", value=timing, **keys)
-                if op == "step" and provider == "SparseAdamW":
+                if op == "step" and provider == "SparseAdamW" and mode != "host":
                     floor_ms = stats[0][0] / (bandwidth * 1e9) * 1e3
                     results.record(op=op, mode=mode, metric="x floor", value=timing.converted(1 / floor_ms), **keys)
+        if profile and provider == "SparseAdamW":
+            print(f"{shape}, {provider}: where a fwd+bwd+step's GPU time goes\n{kernel_table(step, steps=5)}")
         del emb, opt, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -317,11 +324,11 @@ def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, result
 
 
 def throughput(names: Sequence[str], batches: int, ratings, tokens, results: Results, rep_ms: float,
-               device="cuda") -> None:
+               device="cuda", profile: bool = False) -> None:
     bandwidth = copy_bandwidth_gbs()
     for name, (rows, dim, ids) in id_streams(names, batches, ratings, tokens, device).items():
         print(f"{name}: {rows:,} x {dim}, {ids.shape[0]} batches of {LOOKUPS:,} lookups", flush=True)
-        measure_stream(name, rows, dim, ids, results, rep_ms, bandwidth)
+        measure_stream(name, rows, dim, ids, results, rep_ms, bandwidth, profile)
 
 
 def throughput_report(results: Results) -> str:
@@ -330,7 +337,7 @@ def throughput_report(results: Results) -> str:
         return results.value(op=op, provider=provider, shape=shape, mode=mode, metric=metric)
 
     shapes = list(dict.fromkeys(r["shape"] for r in results.select(op="fwd+bwd+step")))
-    cols = [(p, m) for p in (NO_STEP, *OPTIMIZERS.fns) for m in ("eager", "graph")]
+    cols = [(p, m) for p in (NO_STEP, *OPTIMIZERS.fns) for m in TIMED_MODES]
     header = ["stream"] + [f"{p} {m}" for p, m in cols] + ["SparseAdamW x SparseAdam (eager)"] + \
              [f"peak MiB {p}" for p in OPTIMIZERS.fns]
     lines, prose = [], []
@@ -369,6 +376,8 @@ def main(argv=None) -> Results:
     p.add_argument("--batch", type=positive_int, default=1024)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--throughput", action="store_true", help="also the GPU step benchmark over the id streams")
+    p.add_argument("--profile", action="store_true",
+                   help="throughput: also print SparseAdamW's top GPU kernels per step on each stream")
     p.add_argument("--quick", action="store_true", help=f"throughput on {', '.join(QUICK_STREAMS)} only, shorter")
     p.add_argument("--streams", default=None, help=f"comma-separated subset of {','.join(STREAMS)}")
     p.add_argument("--tokens", type=Path, default=None, help="GPT-2 ids saved by --save-tokens")
@@ -407,7 +416,8 @@ def main(argv=None) -> Results:
           f"{args.epochs} epochs, 90/10 split, on {device}:")
     print(markdown_table(list(rows[0]), [list(r.values()) for r in rows]))
     if args.throughput:
-        throughput(names, 2 if args.quick else 4, ratings, tokens, results, rep_ms=50 if args.quick else 100)
+        throughput(names, 2 if args.quick else 4, ratings, tokens, results, rep_ms=50 if args.quick else 100,
+                   profile=args.profile)
         print(throughput_report(results))
     print(f"saved {results.save(out, merge=args.merge)}")
     return results

@@ -640,11 +640,17 @@ def test_throughput_machinery_on_a_cpu(monkeypatch):
     monkeypatch.setattr(se, "copy_bandwidth_gbs", lambda: 1000.0)
     results = Results(se.STUDY)
     streams = ["uniform", "zipf1.5", "identical", "gpt2", "movielens-items"]
-    se.throughput(streams, 2, tiny_ratings(), torch.randint(0, se.GPT2_VOCAB, (450,)), results, 1, device="cpu")
+    tables = []
+    monkeypatch.setattr(se, "kernel_table", lambda step, steps: tables.append(step) or "a table")
+    se.throughput(streams, 2, tiny_ratings(), torch.randint(0, se.GPT2_VOCAB, (450,)), results, 1, device="cpu",
+                  profile=True)
     text = se.throughput_report(results)
     assert len(results.failed) == len(streams) * 2 * 2  # SparseAdam, Adagrad: no graph, either op
-    # per stream: the shared fwd+bwd in both modes, then 4 optimizers x 2 ops eager, 2 capturable x 2 ops graph
+    # per stream: the shared fwd+bwd in every mode, then 4 optimizers x 2 ops eager and host, 2 capturable graph
     assert timed.count("graph") == len(streams) * (1 + 2 * 2) and timed.count("eager") == len(streams) * (1 + 4 * 2)
+    assert timed.count("host") == timed.count("eager")
+    assert results.value(op="fwd+bwd+step", provider="SparseAdam", shape="uniform, 500 x 16", mode="host") == 2.0
+    assert len(tables) == len(streams)  # --profile: SparseAdamW's kernels on each stream
     assert results.value(op="fwd+bwd+step", provider=se.NO_STEP, shape="uniform, 500 x 16", mode="graph") == 2.0
     for shape in dict.fromkeys(r["shape"] for r in results.rows):
         assert results.value(op="step", provider="SparseAdamW", shape=shape, mode="graph", metric="x floor") > 0

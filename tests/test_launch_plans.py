@@ -129,6 +129,24 @@ def test_planned_launch_passes_what_triton_passes(fresh_plans):
     assert not runtime.launch_planned("another key", x, y)  # nothing planned there: the caller launches
 
 
+def test_a_plan_of_a_plain_jit_kernel_takes_new_floats_too(fresh_plans):
+    # SparseAdamW's kernels: plain JITFunctions (arg_names on the kernel itself), and float
+    # hyperparameters that a scheduler changes every step, passed again with the tensors (plan_floats).
+    compiled = FakeCompiled()
+    kernel = types.SimpleNamespace(arg_names=["x_ptr", "lr", "n", "eps", "BLOCK"], fn=lambda: None)
+    runtime._remember_plan("sparse", kernel, compiled, (3,), (torch.randn(8), 0.1, 8, 1e-8), {"BLOCK": 16}, None,
+                           floats=True)
+    x = torch.randn(8)
+    assert runtime.launch_planned("sparse", x, 0.05, 1e-6)
+    (args,) = compiled.calls
+    assert args[9] is x and args[10:] == (0.05, 8, 1e-6, 16)
+    with pytest.raises(TypeError, match="must be a float"):  # an int would need another compiled kernel
+        runtime.launch_planned("sparse", x, 1, 1e-6)
+    runtime._remember_plan("fixed", kernel, compiled, (3,), (torch.randn(8), 0.1, 8, 1e-8), {"BLOCK": 16}, None)
+    assert runtime.launch_planned("fixed", x)  # without plan_floats the floats stay the first call's
+    assert compiled.calls[-1][10:] == (0.1, 8, 1e-8, 16)
+
+
 def test_compiled_kernel_without_the_launcher_attributes_turns_plans_off(fresh_plans):
     def without_packed_metadata():
         return types.SimpleNamespace(run=FakeCompiled().run, function="function handle",

@@ -6,6 +6,7 @@ from the float64 reference by the fp32 error of its computation (first order, ``
 plus one rounding to the stored dtype (``reference.assert_close``).
 """
 import copy
+import importlib
 import math
 
 import pytest
@@ -667,6 +668,34 @@ def zipf_ids(s, rows, n, device="cuda"):
     ranks = torch.multinomial(torch.arange(1, rows + 1, device=device, dtype=torch.float64).pow(-s), n,
                               replacement=True)
     return torch.randperm(rows, device=device)[ranks]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_planned_launches_match_triton_launches_bit_for_bit(monkeypatch, device):
+    # PLANNED_LAUNCHES (off until this passes on a GPU): steps relaunch both kernels from plans, a new
+    # lr each step (a scheduler) included, with the same bits as Triton's own launches.
+    sa = kernel_module
+    runtime = importlib.import_module("fuselab.kernels._runtime")
+    relaunched = []
+    call = runtime._LaunchPlan.__call__
+    monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))
+    torch.manual_seed(0)
+    rows, lookups = (5000, 4096) if device == "cuda" else (50, 200)  # the interpreter: the keys and fallbacks
+    ids = [zipf_ids(1.1, rows, lookups, device) for _ in range(4)]
+    finals = []
+    for planned in (False, True):
+        monkeypatch.setattr(sa, "PLANNED_LAUNCHES", planned)
+        emb = torch.nn.Embedding(rows, 72, sparse=True, device=device)
+        torch.nn.init.normal_(emb.weight, generator=torch.Generator(device).manual_seed(1))
+        opt = SparseAdamW(emb.parameters(), lr=1e-2, weight_decay=0.1)
+        for k, i in enumerate(ids * 2):
+            opt.param_groups[0]["lr"] = 1e-2 / (k + 1)
+            opt.zero_grad(set_to_none=True)
+            emb(i).square().sum().backward()
+            opt.step()
+        finals.append(emb.weight.detach().clone())
+    assert torch.equal(finals[0], finals[1])
+    assert len(relaunched) >= (2 * 7 if device == "cuda" else 0)  # both kernels, every step after the first
 
 
 @pytest.mark.gpu

@@ -82,12 +82,13 @@ def _scratch_allocator(size: int, alignment: int, stream: Optional[int]) -> torc
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, cpp_key: Optional[tuple] = None,
-           **kwargs) -> None:
+def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, plan_floats: bool = False,
+           cpp_key: Optional[tuple] = None, **kwargs) -> None:
     """Launch a (possibly autotuned) Triton kernel; while ``is_tracing()``, through ``wrap_triton``
     so that the graph records it.
     In eager mode the kernel is called directly, as ``triton_op`` itself does, and with a
-    ``plan_key`` the launch is remembered for ``launch_planned`` (see there); with a ``cpp_key``
+    ``plan_key`` the launch is remembered for ``launch_planned`` (see there; ``plan_floats``: its
+    float arguments are passed again at each planned launch, like its tensors); with a ``cpp_key``
     (key ints, the kernel's tensor arguments) also for the C++ eager path (``eager_path``).
 
     Triton launches on the current CUDA device, so the launch runs under the device of the first
@@ -108,7 +109,7 @@ def launch(kernel, grid, *args, plan_key: Optional[Hashable] = None, cpp_key: Op
     with _on_device(device.index):
         compiled = kernel[grid](*args, **kwargs)
     if plan_key is not None and not tracing and compiled is not None:
-        _remember_plan(plan_key, kernel, compiled, grid, args, kwargs, device.index, cpp_key)
+        _remember_plan(plan_key, kernel, compiled, grid, args, kwargs, device.index, cpp_key, plan_floats)
 
 
 def _is_library_choice(compiled) -> bool:
@@ -144,7 +145,8 @@ def launch_planned(plan_key: Hashable, *tensors: torch.Tensor, cpp_key: Optional
     mid-sized GEMM takes on a GPU. A plan keeps the compiled kernel, its grid and every non-tensor
     argument. The caller's contract: ``plan_key`` determines every non-tensor argument and each
     tensor argument's dtype, shape, strides and 16-byte alignment (what Triton specializes on);
-    ``tensors`` are the launch's tensor arguments in order, Nones left out. A ``cpp_key`` (see
+    ``tensors`` are the launch's tensor arguments in order, Nones left out (a plan made with
+    ``plan_floats``: its tensor and float arguments, in order). A ``cpp_key`` (see
     ``launch``) hands a plan made before the C++ eager path was loaded to it.
     """
     plan = _PLANS.get(plan_key)
@@ -173,7 +175,7 @@ _plan_launched = False  # whether a planned launch has gone through the launcher
 
 
 def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, device: Optional[int],
-                   cpp_key: Optional[tuple] = None) -> None:
+                   cpp_key: Optional[tuple] = None, floats: bool = False) -> None:
     """Keep the launch just made (``compiled``, from ``kernel[grid](*args, **kwargs)``: a compiled
     kernel or the ``LibraryChoice`` that served it) for ``launch_planned`` (and with ``cpp_key`` for the
     C++ eager path); the first kernel checks Triton's launcher and may turn planned kernel launches off."""
@@ -189,7 +191,7 @@ def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, dev
     if len(_PLANS) >= _MAX_PLANS:  # dynamic shapes: keep the cache bounded
         _PLANS.clear()
     plan = _PLANS[plan_key] = (_LibraryPlan(compiled, kernel, args, kwargs) if library else
-                               _LaunchPlan(kernel, compiled, grid, args, kwargs, device))
+                               _LaunchPlan(kernel, compiled, grid, args, kwargs, device, floats))
     if cpp_key is not None:
         _hand_to_cpp(plan, cpp_key)
 
@@ -244,16 +246,19 @@ def _current_stream() -> int:
 class _LaunchPlan:
     """One compiled kernel with its grid and arguments fixed but for the tensors (``launch_planned``)."""
 
-    def __init__(self, kernel, compiled, grid, args, kwargs, device: Optional[int]):
-        fn = getattr(kernel, "fn", kernel)  # an Autotuner wraps the JITFunction
+    def __init__(self, kernel, compiled, grid, args, kwargs, device: Optional[int], floats: bool = False):
+        names = getattr(kernel, "arg_names", None) or kernel.fn.arg_names  # a JITFunction's, or its Autotuner's
         config = getattr(kernel, "best_config", None)
-        bound = dict(zip(fn.arg_names, args), **kwargs, **(config.all_kwargs() if config else {}))
-        self.values = [bound[name] for name in fn.arg_names]  # the order Triton's launcher takes
-        self.slots = [i for i, v in enumerate(self.values) if isinstance(v, torch.Tensor)]
+        bound = dict(zip(names, args), **kwargs, **(config.all_kwargs() if config else {}))
+        self.values = [bound[name] for name in names]  # the order Triton's launcher takes
+        # Triton does not specialize on a float's value: a float slot takes any float (never an int)
+        self.slots = [i for i, v in enumerate(self.values)
+                      if isinstance(v, torch.Tensor) or (floats and isinstance(v, float))]
         grid = tuple(grid(bound) if callable(grid) else grid)
         self.grid = grid + (1,) * (3 - len(grid))
         for i in self.slots:  # hold no tensor of the first call
             self.values[i] = None
+        self.float_slots = [i for i in self.slots if isinstance(bound[names[i]], float)]
         self.compiled, self.device = compiled, device
         self.in_cpp = False  # registered with the C++ eager path (eager_path.register_plan)
 
@@ -266,6 +271,9 @@ class _LaunchPlan:
         values = list(self.values)
         for i, t in zip(self.slots, tensors):
             values[i] = t
+        for i in self.float_slots:  # an int would launch a kernel compiled for a float: Triton's own error
+            if not isinstance(values[i], float):
+                raise TypeError(f"planned launch: argument {i} must be a float, got {values[i]!r}")
         with _on_device(self.device):
             triton.set_allocator(_scratch_allocator)  # per thread: the backward runs on autograd's
             stream = _current_stream()

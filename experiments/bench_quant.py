@@ -340,10 +340,15 @@ def measure_prefill(results: Results, size: str, tokens: Tuple[int, int], args, 
             timing = time_call(step, "wall", rep_ms=args.rep_ms)
             results.record(**keys, provider=name, metric="ms", value=timing, **info)
             results.record(**keys, provider=name, metric="rel err", value=err)
-            if args.profile:
-                print(f"\n{keys['shape']}, {name}: where a forward's GPU time goes\n{kernel_table(step, steps=2)}")
         except Exception as e:  # noqa: BLE001  out of memory, no fp8 tensor cores, a layer that would not quantize
             _report_failure(results, dict(keys, provider=name), ["wall"], e)
+        else:
+            if args.profile:  # after the measurement: a profiler error loses the profile, not the timing
+                try:
+                    table = kernel_table(step, steps=2)
+                except Exception as e:  # noqa: BLE001
+                    table = f"(no profile: {type(e).__name__}: {e})"
+                print(f"\n{keys['shape']}, {name}: where a forward's GPU time goes\n{table}")
         finally:
             del model, step, out  # the stock model stays: the next provider is prepared from it
             _empty_cache(device)

@@ -69,19 +69,30 @@ def test_a_build_with_a_matching_stamp_is_imported_without_cpp_extension(tmp_pat
         return types.SimpleNamespace(__file__=str(library))
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    monkeypatch.setattr(eager_path, "_import_extension", lambda name, library: imported.append(library) or "module")
+    monkeypatch.setattr(eager_path, "_import_extension", lambda library: imported.append(library) or "module")
     eager_path.build()
     assert (built, imported) == (["fuselab_eager_path"], [])
     assert eager_path.build() == "module" and len(built) == 1  # the stamp matches: imported from its file
-    assert imported[0].name == "fuselab_eager_path.so"
-    imported[0].unlink()
+    library = imported[0]
+    assert library.name == "fuselab_eager_path.so"
+    library.write_bytes(b"rebuilt by another version")  # into the same folder, leaving the stamp as it was
     eager_path.build()
-    assert len(built) == 2  # the library is gone: built again
+    assert len(built) == 2 and len(imported) == 1  # not the stamp's file: built again
+    library.unlink()
+    eager_path.build()
+    assert len(built) == 3  # the library is gone: built again
     monkeypatch.setattr(eager_path, "_build_stamp", lambda flags: "another source")
     eager_path.build()
-    assert len(built) == 3 and len(imported) == 1  # the source (or flags, torch, Triton) changed: built again
+    assert len(built) == 4 and len(imported) == 1  # the source (or flags, torch, Triton) changed: built again
     eager_path.build(verbose=True)
-    assert len(built) == 4  # verbose shows the build's output: never served from the stamp
+    assert len(built) == 5  # verbose shows the build's output: never served from the stamp
+
+    def unloadable(library):
+        raise ImportError("dynamic module does not define module export function")
+
+    monkeypatch.setattr(eager_path, "_import_extension", unloadable)
+    eager_path.build()
+    assert len(built) == 6  # a library the stamp names but that does not import: built again, not off for good
 
 
 @pytest.mark.slow

@@ -615,7 +615,7 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     monkeypatch.setattr(bench_quant, "time_call", one_call)
     monkeypatch.setitem(bench_quant.SHAPES, "odd 17x19x23", (17, 19, 23))
     monkeypatch.setattr(bench_quant, "fp8_unsupported", lambda device: "no fp8 tensor cores here")
-    args = types.SimpleNamespace(modes=["eager", "graph"], rep_ms=1, providers={})
+    args = types.SimpleNamespace(modes=["eager", "graph"], rep_ms=1, providers={}, profile=False)
     res = Results(bench_quant.STUDY)
     for op in bench_quant.OPS:
         res.set_baseline(op, bench_quant.PROVIDERS[op])
@@ -639,6 +639,7 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
 
     args.providers = {"prefill": ["fuselab bf16", "int8 dynamic"]}
     bench_quant.measure_prefill(res, "tiny", (1, 8), args, device="cpu")
+    assert not [f for f in res.failed if f["op"] == "prefill"], res.failed
     rows = res.select(op="prefill", metric="ms")
     assert {r["provider"] for r in rows} == {"fuselab bf16", "int8 dynamic"} and {r["mode"] for r in rows} == {"wall"}
     assert res.value(op="prefill", provider="int8 dynamic", metric="ms", stat="p50") == 2.0

@@ -446,8 +446,30 @@ def test_first_call_records_a_timed_out_case_and_saves_each_case(tmp_path):
     assert {f["error"] for f in results.failed} == {"timed out after 0.01 s"}
 
 
-def test_first_call_builds_the_cpp_path_once_and_each_case_starts_with_it(tmp_path, monkeypatch):
-    # The cold case measured the C++ eager path's one-time build (~25 s on the H200), not the shape's compile.
+class _FakeBuild:
+    """Stands in for the build's Popen: makes the library in its cache, or fails."""
+    fails = False
+
+    def __init__(self, argv, env, **kwargs):
+        self.cache, self.returncode, self.pid = Path(env["FUSELAB_CACHE_DIR"]), None, -1
+
+    def communicate(self, timeout=None):
+        if self.fails:
+            self.returncode = 1
+            return "", "error: no C++ compiler"
+        (self.cache / "torch_extensions").mkdir(parents=True)
+        (self.cache / "torch_extensions" / "built.so").write_text("")
+        self.returncode = 0
+        return "", ""
+
+    def poll(self):
+        return self.returncode
+
+
+@pytest.mark.parametrize("build_fails", [False, True])
+def test_first_call_builds_the_cpp_path_once_and_each_case_starts_with_it(tmp_path, monkeypatch, build_fails):
+    # The cold case measured the C++ eager path's one-time build (~25 s on the H200), not the shape's compile;
+    # a build that fails is said, and the cases run with the path off (not rebuilding it inside each timing).
     from fuselab.tune import checks
 
     calls, seen, real_run = [], set(), subprocess.run
@@ -456,12 +478,8 @@ def test_first_call_builds_the_cpp_path_once_and_each_case_starts_with_it(tmp_pa
         if env is None:  # not the check's processes (git, for the run's environment)
             return real_run(argv, **kwargs)
         cache = Path(env["FUSELAB_CACHE_DIR"])
-        if argv[1] == "-c":  # the build
-            (cache / "torch_extensions").mkdir(parents=True)
-            (cache / "torch_extensions" / "built.so").write_text("")
-            calls.append("build")
-            return subprocess.CompletedProcess(argv, 0, "", "")
-        assert (cache / "torch_extensions" / "built.so").is_file()  # every case starts with the build
+        assert (cache / "torch_extensions" / "built.so").is_file() != build_fails  # every case starts with it
+        assert (env.get("FUSELAB_EAGER_CPP") == "0") == build_fails
         if cache not in seen:  # a case's cold process: nothing an earlier case tuned
             assert not (cache / "autotune").exists()
             seen.add(cache)
@@ -469,13 +487,22 @@ def test_first_call_builds_the_cpp_path_once_and_each_case_starts_with_it(tmp_pa
         calls.append("case")
         return subprocess.CompletedProcess(argv, 0, json.dumps({"seconds": 0.1, "tunings": [], "configs": []}), "")
 
+    monkeypatch.setattr(_FakeBuild, "fails", build_fails)
+    real_popen = subprocess.Popen  # subprocess.run (git, for the run's environment) opens one too
+    monkeypatch.setattr(checks.subprocess, "Popen", lambda argv, env=None, **kw: _FakeBuild(argv, env) if env
+                        else real_popen(argv, **kw))
     monkeypatch.setattr(checks.subprocess, "run", run)
     problems = grid.problems([{"shapes": [[64, 48, 32], [20, 40, 24]], "dtypes": ["bf16"], "layouts": ["matmul"],
                                "ops": ["fwd"]}], KERNELS)
     results = checks.first_call(problems, sweep.Options(mode="wall"), None, build_cpp=True)
-    assert calls == ["build"] + ["case"] * 4
-    assert [r["op"] for r in results.rows] == [checks.CPP_BUILD] + ["fwd"] * 4
-    assert results.rows[0]["metric"] == "build s"
+    assert calls == ["case"] * 4
+    if build_fails:
+        assert [f["op"] for f in results.failed] == [checks.CPP_BUILD]
+        assert "no C++ compiler" in results.failed[0]["error"]
+        assert [r["op"] for r in results.rows] == ["fwd"] * 4
+    else:
+        assert [r["op"] for r in results.rows] == [checks.CPP_BUILD] + ["fwd"] * 4
+        assert results.rows[0]["metric"] == "build s"
 
 
 def test_dry_run_checks_default_to_the_tiny_shapes():

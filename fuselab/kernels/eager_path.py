@@ -179,7 +179,10 @@ def build(verbose: bool = False):
     stamp_file, stamp = build_dir / "fuselab-build.json", _build_stamp(flags)
     built = _read_stamp(stamp_file, stamp)
     if built is not None and not verbose:
-        return _import_extension(name, built)
+        try:
+            return _import_extension(built)
+        except ImportError:  # a library that is not the stamp's after all: build it again
+            stamp_file.unlink(missing_ok=True)
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -188,8 +191,16 @@ def build(verbose: bool = False):
               file=sys.stderr, flush=True)
     ext = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), with_cuda=False,
                              verbose=verbose, **flags)
-    write_json_atomic(stamp_file, {"stamp": stamp, "library": Path(ext.__file__).name})
+    library = Path(ext.__file__)
+    write_json_atomic(stamp_file, {"stamp": stamp, "library": library.name, "file": _file_identity(library)})
     return ext
+
+
+def _file_identity(path: Path) -> list:
+    """Size and modification time: a library rebuilt by anything else (another fuselab version building
+    into the same folder) no longer matches the stamp written after its own build."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
 
 
 def _build_stamp(flags: dict) -> str:
@@ -210,14 +221,19 @@ def _read_stamp(stamp_file: Path, stamp: str) -> Optional[Path]:
         library = stamp_file.parent / record["library"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return library if record.get("stamp") == stamp and library.is_file() else None
+    try:
+        same_file = record.get("file") == _file_identity(library)
+    except OSError:
+        return None
+    return library if record.get("stamp") == stamp and same_file else None
 
 
-def _import_extension(name: str, library: Path):
-    """Import a built extension module from its file (as ``cpp_extension`` does once it has built it)."""
+def _import_extension(library: Path):
+    """Import a built extension module from its file (as ``cpp_extension`` does once it has built it),
+    under its file's name (``cpp_extension`` names a second build in one process ``<name>_v1``)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, library)
+    spec = importlib.util.spec_from_file_location(library.name.split(".")[0], library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

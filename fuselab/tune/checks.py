@@ -12,12 +12,13 @@ only the C++ eager path (built once before the cases, in its own timed process: 
 per shape; op ``C++ eager path build``, metric ``build s``), times its first call of the op (inputs
 already on the GPU, CUDA and Triton's driver initialized): twice, with an empty Triton cache (``cold``:
 what a new user's first call costs, compiling the kernel and its launcher included) and then with the
-Triton cache the first process filled (``warm``). Each reports the keys the tuner timed: with a shipped
+Triton cache (and fuselab cache) the first process filled (``warm``). Each reports the keys the tuner timed: with a shipped
 file that covers the shape, none. Study ``tune_first_call``, metric ``first call s``; target <= 0.5 s.
 """
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -144,13 +145,15 @@ def first_call(problems: List[Problem], options: Options, directory: Optional[Pa
     bar = progress(2 * len(cases), "first calls", unit="process")
     lines = []
     with tempfile.TemporaryDirectory(prefix="fuselab-first-call-build-") as built:
-        if build_cpp if build_cpp is not None else device() == "cuda" and settings.EAGER_CPP.get():
-            _build_cpp_path(results, Path(built), options, timeout_s)
         try:
             with terminated_as_interrupt():
+                env = {}
+                if build_cpp if build_cpp is not None else device() == "cuda" and settings.EAGER_CPP.get():
+                    if not _build_cpp_path(results, Path(built), options, timeout_s):
+                        env["FUSELAB_EAGER_CPP"] = "0"  # not a build attempt inside every timed first call
                 for problem, op in cases:
                     lines.append(_first_call_case(results, problem, op, options, directory, timeout_s, bar,
-                                                  Path(built)))
+                                                  Path(built), env))
                     save(results)
         finally:
             bar.close()
@@ -162,34 +165,44 @@ def first_call(problems: List[Problem], options: Options, directory: Optional[Pa
 CPP_BUILD = "C++ eager path build"
 
 
-def _build_cpp_path(results: Results, cache: Path, options: Options, timeout_s: float) -> None:
-    """Build the C++ eager path into ``cache`` in its own process, timed: a row of op ``CPP_BUILD``."""
+def _build_cpp_path(results: Results, cache: Path, options: Options, timeout_s: float) -> bool:
+    """Build the C++ eager path into ``cache`` in its own process, timed: a row of op ``CPP_BUILD``;
+    False (recorded as failed, said in one line) if it did not build."""
     common = dict(op=CPP_BUILD, provider="once per install", shape="-", dtype="-", mode=options.mode)
     t0 = time.perf_counter()
+    # its own process group: a timeout or an interrupt stops the compiler it started too
+    proc = subprocess.Popen([sys.executable, "-c", "from fuselab.kernels import eager_path; eager_path.build()"],
+                            env=dict(os.environ, FUSELAB_CACHE_DIR=str(cache)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        run = subprocess.run([sys.executable, "-c", "from fuselab.kernels import eager_path; eager_path.build()"],
-                             env=dict(os.environ, FUSELAB_CACHE_DIR=str(cache)), capture_output=True, text=True,
-                             timeout=timeout_s)
+        _, err = proc.communicate(timeout=timeout_s)
+        error = None if proc.returncode == 0 else \
+            f"exit status {proc.returncode}: {(err.strip().splitlines() or ['no output'])[-1]}"
     except subprocess.TimeoutExpired:
-        results.fail(**common, error=f"timed out after {timeout_s:g} s")
-        return
+        error = f"timed out after {timeout_s:g} s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     seconds = time.perf_counter() - t0
-    if run.returncode != 0:
-        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        results.fail(**common, error=f"exit status {run.returncode}: {tail}")
-    else:
-        results.record(**common, metric="build s", value=(seconds,) * 3)
+    if error is not None:
+        results.fail(**common, error=error)
+        print(f"{CPP_BUILD}: failed ({error}); the cases run with the C++ eager path off")
+        return False
+    results.record(**common, metric="build s", value=(seconds,) * 3)
     print(f"{CPP_BUILD}: {seconds:.1f} s (once per install; every case below starts with it)")
+    return True
 
 
 def _first_call_case(results: Results, problem: Problem, op: str, options: Options, directory: Optional[Path],
-                     timeout_s: float, bar, built: Path) -> list:
+                     timeout_s: float, bar, built: Path, extra_env: dict) -> list:
     """One case's two processes (cold, then warm Triton cache), recorded; its table line. Its fuselab
     cache starts with what ``built`` holds (the C++ eager path), and nothing else."""
     line = [problem.shape, problem.dtype, problem.layout, op]
     with tempfile.TemporaryDirectory(prefix="fuselab-first-call-") as tmp:
         shutil.copytree(built, Path(tmp) / "fuselab")
-        env = dict(os.environ, FUSELAB_CACHE_DIR=str(Path(tmp) / "fuselab"), TRITON_CACHE_DIR=str(Path(tmp) / "triton"))
+        env = dict(os.environ, FUSELAB_CACHE_DIR=str(Path(tmp) / "fuselab"), TRITON_CACHE_DIR=str(Path(tmp) / "triton"),
+                   **extra_env)
         spec = {"kernel": problem.kernel, "M": problem.M, "N": problem.N, "K": problem.K, "dtype": problem.dtype,
                 "layout": problem.layout, "op": op, "configs_dir": str(directory) if directory else None}
         for provider in ("cold Triton cache", "warm Triton cache"):

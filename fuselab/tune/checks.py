@@ -12,8 +12,9 @@ only the C++ eager path (built once before the cases, in its own timed process: 
 per shape; op ``C++ eager path build``, metric ``build s``), times its first call of the op (inputs
 already on the GPU, CUDA and Triton's driver initialized): twice, with an empty Triton cache (``cold``:
 what a new user's first call costs, compiling the kernel and its launcher included) and then with the
-Triton cache (and fuselab cache) the first process filled (``warm``). Each reports the keys the tuner timed: with a shipped
-file that covers the shape, none. Study ``tune_first_call``, metric ``first call s``; target <= 0.5 s.
+Triton cache (and fuselab cache) the first process filled (``warm``). Each reports the keys the tuner
+timed: with a shipped file that covers the shape, none. Study ``tune_first_call``, metric ``first call
+s``; target <= 0.5 s.
 """
 import json
 import os

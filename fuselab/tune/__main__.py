@@ -104,10 +104,21 @@ def _run_in_interpreter(argv: List[str]) -> int:
     """--dry-run: this command again in a process with TRITON_INTERPRET=1 (read when Triton loads).
     Ctrl-C reaches both processes (one process group): this one waits for the other to save and
     exit; a SIGTERM sent to this one alone is passed on, so no orphan keeps writing the results."""
-    child = subprocess.Popen([sys.executable, "-m", "fuselab.tune", *argv], env=dict(os.environ, TRITON_INTERPRET="1"))
+    children, pending = [], []  # the handler is in place before the child exists: no SIGTERM slips past it
+
+    def forward(signum, frame):
+        for child in children:
+            child.send_signal(signum)
+        pending.append(signum)
+
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))}
+                signal.SIGTERM: signal.signal(signal.SIGTERM, forward)}
     try:
+        child = subprocess.Popen([sys.executable, "-m", "fuselab.tune", *argv],
+                                 env=dict(os.environ, TRITON_INTERPRET="1"))
+        children.append(child)
+        for signum in pending:  # arrived while the child was starting
+            child.send_signal(signum)
         code = child.wait()
     finally:
         for signum, handler in previous.items():

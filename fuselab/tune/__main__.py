@@ -107,9 +107,10 @@ def _run_in_interpreter(argv: List[str]) -> int:
     children, pending = [], []  # the handler is in place before the child exists: no SIGTERM slips past it
 
     def forward(signum, frame):
-        for child in children:
-            child.send_signal(signum)
-        pending.append(signum)
+        if children:
+            children[0].send_signal(signum)
+        else:  # the child is starting: passed on once it exists
+            pending.append(signum)
 
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, forward)}

@@ -60,6 +60,16 @@ def env(monkeypatch):
 
 
 @pytest.fixture
+def python_eager_path(monkeypatch):
+    """The Python eager path for this test: the C++ path neither serves a call nor loads (setting only
+    its ``extension`` to None let the first launch's plan load it again, and it served the rest)."""
+    from fuselab.kernels import eager_path
+
+    monkeypatch.setattr(eager_path, "extension", None)
+    monkeypatch.setattr(eager_path, "_load_state", "off")
+
+
+@pytest.fixture
 def cublas_preferred(tmp_path, env, monkeypatch):
     """A fresh tuner for the fused GEMM (its own cache) whose clock makes cuBLAS (``CUBLAS``)
     fastest wherever it may run; its plans start empty."""

@@ -15,7 +15,7 @@ import torch
 import triton
 from reference import check_forward_backward, randn
 
-from fuselab.kernels import _autotune, eager_path
+from fuselab.kernels import _autotune
 
 runtime = importlib.import_module("fuselab.kernels._runtime")
 matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
@@ -61,11 +61,10 @@ def _plan_warnings(caught):
 
 
 @pytest.mark.gpu
-def test_repeated_calls_relaunch_the_first_calls_kernel(monkeypatch):
+def test_repeated_calls_relaunch_the_first_calls_kernel(python_eager_path, monkeypatch):
     # From the second eager call of a layout on, _gemm relaunches a plan (launch_planned): on new
     # data, on a view whose 16-byte alignment differs (its own plan), forward and both products.
     # (The Python path's plans; the C++ path launches its own copies of them: test_eager_path.py.)
-    monkeypatch.setattr(eager_path, "extension", None)
     kernel = matmul_relu_module.matmul_relu_kernel  # kernels only: cuBLAS, if faster, would take plans of its own
     monkeypatch.setattr(matmul_relu_module, "matmul_relu_kernel", _autotune.PersistentAutotuner(
         kernel.fn, *kernel._tuned_over, kernel.heuristic))

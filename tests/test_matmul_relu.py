@@ -10,7 +10,7 @@ import torch
 from reference import BIAS_LAYOUTS, DEVICES, DTYPES, check_forward_backward, rand_bias, randn
 
 import fuselab
-from fuselab.kernels import eager_path, linear_relu, matmul_relu
+from fuselab.kernels import linear_relu, matmul_relu
 
 matmul_relu_module = importlib.import_module("fuselab.kernels.matmul_relu_triton")
 
@@ -94,11 +94,10 @@ def test_every_gpu_config_in_the_interpreter(dtype, b_layout, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("b_layout,bias_layout", [("contiguous", "contiguous"), ("transposed", "strided"),
                                                   ("transposed", "broadcast"), ("contiguous", None)])
-def test_where_the_tuner_chose_cublas(device, dtype, b_layout, bias_layout, cublas_preferred, monkeypatch):
+def test_where_the_tuner_chose_cublas(python_eager_path, device, dtype, b_layout, bias_layout, cublas_preferred, monkeypatch):
     # Where the tuner finds cuBLAS faster, the forward is addmm (mm) and an in-place ReLU, and the
     # backward's products (G written first, as on Hopper) are mm: the op's results and NaN rule stay.
     monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: False)
-    monkeypatch.setattr(eager_path, "extension", None)  # the Python path (the C++ one: test_eager_path.py)
     a = randn(37, 29, dtype=dtype, device=device)
     b = randn(29, 22, dtype=dtype, device=device, layout=b_layout)
     bias = rand_bias(22, dtype, device, bias_layout) if bias_layout else None
@@ -127,9 +126,8 @@ def test_cublas_takes_inputs_that_require_grad(device, cublas_preferred):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_cublas_is_not_offered_where_the_mask_is_applied_on_load(device, cublas_preferred, monkeypatch):
+def test_cublas_is_not_offered_where_the_mask_is_applied_on_load(python_eager_path, device, cublas_preferred, monkeypatch):
     monkeypatch.setattr(matmul_relu_module, "_mask_on_load", lambda grad: True)
-    monkeypatch.setattr(eager_path, "extension", None)
     a, b = randn(37, 29, dtype=torch.float32, device=device), randn(29, 22, dtype=torch.float32, device=device)
     check_forward_backward(a, b, torch.randn(22, device=device), torch.float32)
     names = cublas_preferred.keys
@@ -432,10 +430,9 @@ def test_forward_mode_refused_where_no_rule(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_first_order_backward_keeps_the_kernels(device, monkeypatch):
+def test_first_order_backward_keeps_the_kernels(python_eager_path, device, monkeypatch):
     # Only a differentiated backward leaves the Triton products; an ordinary one launches them
     # (the Python path's; the C++ path's backward: test_eager_path.py).
-    monkeypatch.setattr(eager_path, "extension", None)
     launches = []
     gemm = matmul_relu_module._gemm
     monkeypatch.setattr(matmul_relu_module, "_gemm", lambda *args, **kw: launches.append(1) or gemm(*args, **kw))

@@ -672,7 +672,7 @@ def zipf_ids(s, rows, n, device="cuda"):
 
 @pytest.mark.gpu
 def test_planned_launches_match_triton_launches_bit_for_bit(monkeypatch, device="cuda"):
-    # PLANNED_LAUNCHES (off until this passes on a GPU): steps relaunch both kernels from plans, a new
+    # PLANNED_LAUNCHES (on by default since this passed on the H200): steps relaunch both kernels from plans, a new
     # lr each step (a scheduler) included, with the same bits as Triton's own launches.
     sa = kernel_module
     runtime = importlib.import_module("fuselab.kernels._runtime")

@@ -77,6 +77,12 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
                for t in tensors)
 
 
+def call_untraced(op, body: Callable, *args):
+    """``op(*args)``, or the op's eager ``body(*args)`` without the custom-op dispatcher where nothing
+    traces the call (``untraced``): the dispatcher's host cost is most of a small op's."""
+    return body(*args) if untraced(*(a for a in args if isinstance(a, torch.Tensor))) else op(*args)
+
+
 def _scratch_allocator(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
     """Global scratch for kernels that build TMA descriptors on the device (a few hundred bytes)."""
     return torch.empty(size, device="cuda", dtype=torch.int8)

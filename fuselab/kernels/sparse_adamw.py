@@ -52,19 +52,18 @@ import triton.language as tl
 
 from fuselab.kernels._runtime import (
     ExecutionPath,
+    call_untraced,
     execution_path,
     is_tracing,
     launch,
     launch_planned,
-    plan_layout,
     register_op,
-    untraced,
 )
 
 CHUNK = 64  # sorted positions one segment_kernel program sums (a power of two)
-# Eager steps relaunch both kernels through launch plans (no Triton argument binding: host time per step).
-# Off until tests/test_sparse_adamw.py's GPU test of it has passed on a GPU.
-PLANNED_LAUNCHES = False
+# Eager steps relaunch both kernels through launch plans (no Triton argument binding: host time per step);
+# tests/test_sparse_adamw.py's GPU test of them passed on the H200 (triton 3.6). False: Triton's own launches.
+PLANNED_LAUNCHES = True
 LOG2_CHUNK = CHUNK.bit_length() - 1
 TILE = 4096  # elements of a program's (positions, columns) tile: 32 fp32 registers a thread at 4 warps
 
@@ -213,26 +212,30 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
     hyper = (float(lr), beta1_hi, beta1_lo, 1.0 - beta1, beta2_hi, beta2_lo, 1.0 - beta2, float(eps),
              1.0 - lr * weight_decay)
     strides = (param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0))
-    _launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)),
-            (ids, order, values, partial, param, exp_avg, exp_avg_sq, step, nnz, n_chunks, dim, values.stride(0),
-             *strides, *hyper),
+    # What both kernels specialize on but the data (see launch_planned): the grids and every integer
+    # argument follow from nnz, dim and the strides; dtypes and 16-byte alignments of the tensors.
+    tensors = (ids, order, values, partial, param, exp_avg, exp_avg_sq, step)
+    layout = (param.get_device(), nnz, dim, values.stride(0), strides, maximize,
+              *((t.dtype, t.data_ptr() % 16) for t in tensors))
+    _launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)), layout, tensors,
+            (nnz, n_chunks, dim, values.stride(0), *strides), hyper,
             dict(MAXIMIZE=maximize, CHUNK=CHUNK, LOG2_CHUNK=LOG2_CHUNK, BLOCK_D=block_d, num_warps=warps))
     if n_chunks > 1:
-        _launch(crossing_kernel, (n_chunks - 1, triton.cdiv(dim, block_d2)),
-                (ids, partial, param, exp_avg, exp_avg_sq, step, n_chunks, dim, *strides, *hyper),
+        _launch(crossing_kernel, (n_chunks - 1, triton.cdiv(dim, block_d2)), layout,
+                (ids, partial, param, exp_avg, exp_avg_sq, step), (n_chunks, dim, *strides), hyper,
                 dict(MAXIMIZE=maximize, CHUNK=CHUNK, HEADS=heads, BLOCK_D=block_d2, num_warps=4))
 
 
-def _launch(kernel, grid, args: tuple, meta: dict) -> None:
-    """``launch``, or with ``PLANNED_LAUNCHES`` a launch plan: the tensors and the float hyperparameters
-    vary per step (a scheduler's lr makes no new plan); the key holds everything else Triton specializes on."""
-    if not PLANNED_LAUNCHES or is_tracing():
-        launch(kernel, grid, *args, **meta)
-        return
-    key = (kernel.fn.__name__, args[0].device, grid, tuple(sorted(meta.items())),
-           *(plan_layout(a) if isinstance(a, torch.Tensor) else a for a in args if not isinstance(a, float)))
-    if not launch_planned(key, *(a for a in args if isinstance(a, (torch.Tensor, float)))):
-        launch(kernel, grid, *args, plan_key=key, plan_floats=True, **meta)
+def _launch(kernel, grid, layout: tuple, tensors: tuple, ints: tuple, floats: tuple, meta: dict) -> None:
+    """``kernel[grid](*tensors, *ints, *floats, **meta)`` (its arguments in that order); an eager one
+    through a launch plan: ``layout`` fixes the rest, the floats are passed again (a scheduler's new
+    lr each step makes no new plan)."""
+    plan_key = None
+    if PLANNED_LAUNCHES and not is_tracing():
+        plan_key = (kernel.fn.__name__, layout)
+        if launch_planned(plan_key, *tensors, *floats):
+            return
+    launch(kernel, grid, *tensors, *ints, *floats, plan_key=plan_key, plan_floats=True, **meta)
 
 
 def sparse_adamw_torch(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps,
@@ -285,6 +288,5 @@ def sparse_adamw_update_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq:
     ``fuselab.optim.SparseAdamW``. Eager calls skip the custom-op dispatcher (its host cost is
     most of a small step's); traced calls record ``torch.ops.fuselab.sparse_adamw_update_``.
     """
-    plain = untraced(param, exp_avg, exp_avg_sq, indices, values, step)
-    op = _update if plain else torch.ops.fuselab.sparse_adamw_update_
-    op(param, exp_avg, exp_avg_sq, indices, values, step, lr, beta1, beta2, eps, weight_decay, maximize)
+    call_untraced(torch.ops.fuselab.sparse_adamw_update_, _update, param, exp_avg, exp_avg_sq, indices, values, step,
+                  lr, beta1, beta2, eps, weight_decay, maximize)

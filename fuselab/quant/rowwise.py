@@ -21,7 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._runtime import ExecutionPath, execution_path, launch, register_op
+from fuselab.kernels._runtime import (
+    INTERPRET,
+    ExecutionPath,
+    call_untraced,
+    execution_path,
+    launch,
+    launch_planned,
+    plan_layout,
+    register_op,
+    untraced,
+)
 
 INT8_QMAX = 127  # symmetric: -128 is never produced, so |q| <= 127 and the scale is absmax / 127
 FP8_DTYPE = torch.float8_e4m3fn
@@ -39,42 +49,62 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)  # a global a kernel reads must be a con
 
 @triton.jit
 def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, QMAX: tl.constexpr, TINY: tl.constexpr,
-                         TO_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per row: its scale (unless STATIC: read from scale_ptr), then its quantized values."""
+                         TO_INT8: tl.constexpr, STATIC: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row: its scale (unless STATIC: read from scale_ptr), then its quantized values.
+    ONE_PASS (dynamic, K <= BLOCK_K): the row is read once and kept in registers for both."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
-    if STATIC:
-        scale = tl.load(scale_ptr)
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = _row_scale(tl.abs(x), scale_ptr, row, QMAX, TINY)
+        tl.store(q_row + offs, _quantize(x, scale, QMAX, TO_INT8), mask=offs < K)
     else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if STATIC:
+            scale = tl.load(scale_ptr)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                offs = k + tl.arange(0, BLOCK_K)
+                x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+            scale = _row_scale(amax, scale_ptr, row, QMAX, TINY)
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), TINY), QMAX)
-        # A NaN makes the scale NaN, as torch.amax does (tl.max's reduction drops NaN; a sum keeps it):
-        # the layer's output row is then NaN, as the float layer's, never a finite value.
-        scale += tl.sum(tl.where(amax != amax, amax, 0.0), axis=0)
-        tl.store(scale_ptr + row, scale)
-    for k in range(0, K, BLOCK_K):
-        offs = k + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, scale)
-        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)  # clamp, then round: the same as round, then clamp
-        if TO_INT8:
-            q = ((v + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int8)
-        else:  # e4m3's rounding done exactly in fp32, so that the cast need not round (the
-            # interpreter's cast rounds wrongly where rounding carries into the exponent)
-            bits = v.to(tl.int32, bitcast=True)
-            exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals: -6's step
-            step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-            inverse = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
-            r = ((tl.abs(v) * inverse + _ROUND_MAGIC) - _ROUND_MAGIC) * step  # exact: powers of two, < 16 steps
-            # The sign bit put back (-0 included, as the cast keeps it): a compiled `-r` is `0 - r`, so +0.
-            signed = r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)
-            q = signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
-        tl.store(q_row + offs, q, mask=offs < K)
+            tl.store(q_row + offs, _quantize(x, scale, QMAX, TO_INT8), mask=offs < K)
+
+
+@triton.jit
+def _row_scale(amax, scale_ptr, row, QMAX: tl.constexpr, TINY: tl.constexpr):
+    # max(absmax, tiny) / QMAX from the lanes' running |x| maxima, stored at scale_ptr[row].
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), TINY), QMAX)
+    # A NaN makes the scale NaN, as torch.amax does (tl.max's reduction drops NaN; a sum keeps it):
+    # the layer's output row is then NaN, as the float layer's, never a finite value.
+    scale += tl.sum(tl.where(amax != amax, amax, 0.0), axis=0)
+    tl.store(scale_ptr + row, scale)
+    return scale
+
+
+@triton.jit
+def _quantize(x, scale, QMAX: tl.constexpr, TO_INT8: tl.constexpr):
+    # x / scale, clamped and rounded to int8 or e4m3.
+    v = tl.math.div_rn(x, scale)
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)  # clamp, then round: the same as round, then clamp
+    if TO_INT8:
+        q = ((v + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int8)
+    else:  # e4m3's rounding done exactly in fp32, so that the cast need not round (the
+        # interpreter's cast rounds wrongly where rounding carries into the exponent)
+        bits = v.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals: -6's step
+        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        inverse = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
+        r = ((tl.abs(v) * inverse + _ROUND_MAGIC) - _ROUND_MAGIC) * step  # exact: powers of two, < 16 steps
+        # The sign bit put back (-0 included, as the cast keeps it): a compiled `-r` is `0 - r`, so +0.
+        signed = r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)
+        q = signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+    return q
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,11 +118,17 @@ def _quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, static
     M, K = x.shape
     if M == 0:
         return
+    plan_key = None
+    if not INTERPRET and untraced(x, q, scale):  # a layer's repeated eager call skips the rest
+        plan_key = ("quantize_rows", x.get_device(), static, plan_layout(x), plan_layout(q), plan_layout(scale))
+        if launch_planned(plan_key, x, q, scale):
+            return
     block_k = min(4096, triton.next_power_of_2(max(K, 16)))
     to_int8 = q.dtype == torch.int8
     launch(quantize_rows_kernel, (M,), x, q, scale, K, x.stride(0), q.stride(0),
            QMAX=float(INT8_QMAX if to_int8 else FP8_MAX), TINY=_TINY, TO_INT8=to_int8, STATIC=static,
-           BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
+           ONE_PASS=K <= block_k and not static, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
+           plan_key=plan_key)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -179,14 +215,14 @@ register_op("fuselab::quantize_static", fake=_static_fake)(_static_op)
 def quantize_int8_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``x`` (..., K) as int8 with one symmetric fp32 scale per row, shaped x.shape[:-1];
     ``x ~ q * scale[..., None]``, ``scale = absmax(row) / 127``. Not differentiable (rounding)."""
-    return torch.ops.fuselab.quantize_rows(x.detach(), False)
+    return call_untraced(torch.ops.fuselab.quantize_rows, _rows_op, x.detach(), False)
 
 
 def quantize_int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``round(x / scale)`` clamped to [-127, 127], as int8; ``scale`` broadcasts against ``x``
     (a calibrated per-tensor scale clips values beyond the calibrated range)."""
     if scale.numel() == 1 and scale.dtype == torch.float32 and scale.device == x.device:
-        return torch.ops.fuselab.quantize_static(x.detach(), scale)
+        return call_untraced(torch.ops.fuselab.quantize_static, _static_op, x.detach(), scale)
     return _torch_static(x.detach(), scale)  # a scale per row (or of another dtype): PyTorch's ops
 
 
@@ -194,4 +230,4 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``x`` (..., K) as float8_e4m3fn with one fp32 scale per row, shaped
     x.shape[:-1]; ``x ~ q * scale[..., None]``, ``scale = absmax(row) / 448`` (e4m3's largest value).
     Not differentiable."""
-    return torch.ops.fuselab.quantize_rows(x.detach(), True)
+    return call_untraced(torch.ops.fuselab.quantize_rows, _rows_op, x.detach(), True)

@@ -756,7 +756,7 @@ def r_dtype(found: Dict[tuple, tuple], shape: str, mode: str) -> str:
 
 
 def sparse_headline(res: Results) -> Optional[List[str]]:
-    """SparseAdamW against SparseAdam, the whole training step of the first stream in the file, per mode;
+    """SparseAdamW against SparseAdam, the whole training step on uniform ids (else the file's first stream), per mode;
     SparseAdam cannot be replayed from a CUDA graph (its coalesce() waits for the host), so a mode it
     lacks is compared with its eager time, and says so."""
     ops = [op for op, base in res.baselines.items() if base == "SparseAdam"]
@@ -765,7 +765,8 @@ def sparse_headline(res: Results) -> Optional[List[str]]:
             rows = select(res.rows, op=op, metric=metric, provider=("SparseAdamW", "SparseAdam"))
             if not {"SparseAdamW", "SparseAdam"} <= {r["provider"] for r in rows}:
                 continue
-            shape = rows[0]["shape"]  # the first stream measured (uniform ids in the throughput study)
+            shapes = [r["shape"] for r in rows]  # uniform ids (the issue's stream), else the first measured
+            shape = next((s for s in shapes if s.startswith("uniform")), shapes[0])
             cells = {(r["provider"], r["mode"]): r for r in rows if r["shape"] == shape}
             parts, used = [], []
             for mode in ordered([m for p, m in cells if p == "SparseAdamW"], ("eager", "graph", "wall")):

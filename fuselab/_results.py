@@ -67,6 +67,7 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None) -> D
     import triton
 
     commit = commit or os.environ.get("FUSELAB_GIT_COMMIT") or _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    commit = commit[:12]  # a full sha given by hand, shortened as git's own
     dirty_env = os.environ.get("FUSELAB_GIT_DIRTY")
     if dirty is not None:
         pass

@@ -800,3 +800,13 @@ def test_tuned_choice_names_the_config_of_the_calls_own_key(tmp_path, env, monke
     assert tuned_choice(lambda: matmul_relu(*large), "matmul_relu_kernel") == str(configs[-1])
     assert tuned_choice(lambda: matmul_relu(*small), "matmul_relu_kernel") == str(configs[0])
     assert tuned_choice(lambda: matmul_relu(small[0][:0], *small[1:]), "matmul_relu_kernel") is None
+
+
+def test_a_commit_given_in_full_is_recorded_as_gits_short_form(monkeypatch):
+    # The device machine has no .git: its runs pass the sha, often in full; the docs cite runs by the short form.
+    from fuselab._results import environment
+
+    monkeypatch.setenv("FUSELAB_GIT_COMMIT", "0c9581116085a13fdaf4c2436653737117666a77")
+    monkeypatch.setenv("FUSELAB_GIT_DIRTY", "0")
+    env = environment()
+    assert env["commit"] == "0c9581116085" and env["dirty"] is False

@@ -38,6 +38,10 @@ GRIDS: Dict[str, List[dict]] = {
         {"shapes": [(1031, 777, 515)], "dtypes": ["bf16", "fp16"], "layouts": ["matmul"], "ops": ["bwd"]},
         # the core: tokens x hidden sizes, nn.Linear's layout and the plain one, forward and backward
         {**CORE, "dtypes": ["bf16", "fp16"], "layouts": ["linear", "matmul"], "ops": ["fwd", "bwd"]},
+        # the OPT decoders fuse_linear_relu patches (experiments/model_eager.py, bench_quant's bf16 prefill):
+        # each size's fc1 (hidden -> 4 x hidden) at 128 tokens and at 8,192, forward and backward
+        {"shapes": [(t, 4 * h, h) for h in (768, 1024, 2048) for t in (128, 8192)], "dtypes": ["bf16"],
+         "layouts": ["linear"], "ops": ["fwd", "bwd"]},
         # the quantized GEMM: experiments/bench_quant.py's GEMM shapes, then an OPT-1.3b prefill of 8 x 1024
         # tokens as quantize_ leaves it (q/k/v/out, fc1, fc2 with bias; the lm_head without)
         {"kernel": "scaled_gemm", "shapes": QUANT_BENCHMARK_SHAPES + [(8192, 2048, 2048), (8192, 8192, 2048),

@@ -23,10 +23,13 @@ Ratios between providers are computed when reporting (``experiments/report.py``)
 committed ``results/`` (``--results``).
 """
 import argparse
+import collections
 import itertools
 import math
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -343,6 +346,67 @@ def kernel_table(step: Callable[[], object], steps: int = 3, top: int = 15) -> s
              for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
     what = "kernel" if torch.cuda.is_available() else "operator (self CPU time)"
     return markdown_table([what, "calls per call", "us per call", "% of the total"], lines)
+
+
+def gpu_timeline(step, steps: int = 3):
+    """(busy ms per step, idle ms per step, {kernel name: [gaps before it, total gap us]}) from a
+    profiler trace of ``steps`` steps: idle is the GPU span minus the union of its intervals."""
+    from torch.autograd import DeviceType
+
+    prof = profile_steps(step, steps)
+    events = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+                    for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
+    if not events:
+        return 0.0, 0.0, {}
+    busy, gaps = 0, collections.defaultdict(lambda: [0, 0.0])
+    cur_start, cur_end = events[0][:2]
+    for start, end, name in events[1:]:
+        if start > cur_end:  # a gap: the GPU had nothing to run until this launch
+            busy += cur_end - cur_start
+            if start - cur_end > 20_000:
+                gaps[name][0] += 1
+                gaps[name][1] += (start - cur_end) / 1e3
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = cur_end - events[0][0]
+    return busy / 1e6 / steps, (span - busy) / 1e6 / steps, dict(gaps)
+
+
+def timeline_summary(busy: float, idle: float, gaps: dict, top: int = 4) -> str:
+    """``gpu_timeline``'s figures as a line: busy and idle ms a step, the launches the GPU waited longest for."""
+    longest = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]
+    return (f"GPU busy {busy:.3f} ms, idle {idle:.3f} ms a step; longest waits before: "
+            + ("; ".join(f"{name[:60]} x{count} {us:.0f} us" for name, (count, us) in longest) or "none"))
+
+
+def synchronizing_calls(step, stacks: bool = False):
+    """(count, [stack summaries]) of the calls in one step that made the host wait for the GPU (none
+    without a GPU)."""
+    step()
+    sync()
+    if not torch.cuda.is_available():
+        return 0, []
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            found.append("".join(traceback.format_stack(limit=12)[:-1]) if stacks else str(message))
+
+    saved = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = saved
+    sync()
+    return len(found), found
 
 
 def tuned_choice(call: Callable[[], object], kernel_name: str) -> Optional[str]:

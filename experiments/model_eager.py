@@ -23,8 +23,6 @@ import argparse
 import collections
 import contextlib
 import time
-import traceback
-import warnings
 
 import torch
 from tqdm import tqdm
@@ -57,57 +55,6 @@ def make_step(model, tokens, task: str, mode: str):
             model.zero_grad(set_to_none=True)
             return loss
     return step
-
-
-def gpu_timeline(step, steps: int = 3):
-    """(busy ms per step, idle ms per step, {kernel name: [gaps before it, total gap us]}) from a
-    profiler trace of ``steps`` steps: idle is the GPU span minus the union of its intervals."""
-    from torch.autograd import DeviceType
-
-    prof = harness.profile_steps(step, steps)
-    events = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
-                    for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
-    if not events:
-        return 0.0, 0.0, {}
-    busy, gaps = 0, collections.defaultdict(lambda: [0, 0.0])
-    cur_start, cur_end = events[0][:2]
-    for start, end, name in events[1:]:
-        if start > cur_end:  # a gap: the GPU had nothing to run until this launch
-            busy += cur_end - cur_start
-            if start - cur_end > 20_000:
-                gaps[name][0] += 1
-                gaps[name][1] += (start - cur_end) / 1e3
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    span = cur_end - events[0][0]
-    return busy / 1e6 / steps, (span - busy) / 1e6 / steps, dict(gaps)
-
-
-def synchronizing_calls(step, stacks: bool = False):
-    """(count, [stack summaries]) of the calls in one step that made the host wait for the GPU."""
-    step()
-    harness.sync()
-    found = []
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            found.append("".join(traceback.format_stack(limit=12)[:-1]) if stacks else str(message))
-
-    saved = warnings.showwarning
-    warnings.showwarning = record
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = saved
-    harness.sync()
-    return len(found), found
 
 
 def run(args) -> harness.Results:
@@ -147,15 +94,12 @@ def run(args) -> harness.Results:
                 continue
             with _configuration(size, (batch, seq), task, mode, variant, device) as (step, _):
                 if args.trace:
-                    busy, idle, gaps = gpu_timeline(step)
+                    busy, idle, gaps = harness.gpu_timeline(step)
                     results.record(metric="GPU busy ms (profiled)", value=busy, **keys)
                     results.record(metric="GPU idle ms (profiled)", value=idle, **keys)
-                    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:4]
-                    print(f"{keys['shape']} {task} {mode} {variant}: GPU busy {busy:.2f} ms, idle {idle:.2f} ms a "
-                          "step; longest waits before: " + "; ".join(f"{n[:60]} x{c} {us:.0f} us"
-                                                                    for n, (c, us) in top))
+                    print(f"{keys['shape']} {task} {mode} {variant}: {harness.timeline_summary(busy, idle, gaps)}")
                 if mode == "eager":
-                    count, found = synchronizing_calls(step, stacks=args.syncs)
+                    count, found = harness.synchronizing_calls(step, stacks=args.syncs)
                     results.record(metric="syncs/step", value=count, **keys)
                     for i, stack in enumerate(found if args.syncs else []):
                         print(f"--- {keys['shape']} {task} {variant}: synchronizing call {i + 1} of {count}\n{stack}")

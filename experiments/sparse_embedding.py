@@ -41,7 +41,7 @@ import argparse
 import math
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +52,7 @@ from experiments.harness import (
     add_output_args,
     copy_bandwidth_gbs,
     cycle,
+    gpu_timeline,
     kernel_table,
     markdown_table,
     output_path,
@@ -60,7 +61,9 @@ from experiments.harness import (
     positive_int,
     require_cuda,
     sync,
+    synchronizing_calls,
     time_call,
+    timeline_summary,
 )
 from fuselab.optim import SparseAdamW
 
@@ -261,6 +264,22 @@ def floor_bytes(ids: torch.Tensor, dim: int, elem: int = 4) -> Tuple[int, int, i
     return ids.numel() * (dim * elem + ids.element_size()) + 6 * touched * dim * elem, touched, int(counts.max())
 
 
+def step_diagnosis(step: Callable[[], object], steps: int = 20) -> str:
+    """Why an eager step takes what it takes: the GPU's busy and idle time in a profiled step, the
+    calls that wait for the GPU, and the allocator's cudaMalloc calls a step (each can stall the host)."""
+    busy, idle, gaps = gpu_timeline(step, steps=5)
+    syncs, _ = synchronizing_calls(step)
+    def device_allocs() -> int:
+        return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+    before = device_allocs()
+    for _ in range(steps):
+        step()
+    sync()
+    allocs = (device_allocs() - before) / steps
+    return f"{timeline_summary(busy, idle, gaps)}; {syncs} synchronizing calls a step; {allocs:g} cudaMalloc a step"
+
+
 def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, results: Results, rep_ms: float,
                    bandwidth: float, profile: bool = False) -> None:
     """Every optimizer on one stream: fwd+bwd+step and the step alone, eager and graph, peak memory."""
@@ -313,8 +332,10 @@ def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, result
                 if op == "step" and provider == "SparseAdamW" and mode != "host":
                     floor_ms = stats[0][0] / (bandwidth * 1e9) * 1e3
                     results.record(op=op, mode=mode, metric="x floor", value=timing.converted(1 / floor_ms), **keys)
-        if profile and provider == "SparseAdamW":
-            print(f"{shape}, {provider}: where a fwd+bwd+step's GPU time goes\n{kernel_table(step, steps=5)}")
+        if profile and provider not in DENSE:
+            print(f"{shape}, {provider}: {step_diagnosis(step)}")
+            if provider == "SparseAdamW":
+                print(f"{shape}, {provider}: where a fwd+bwd+step's GPU time goes\n{kernel_table(step, steps=5)}")
         del emb, opt, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -377,7 +398,8 @@ def main(argv=None) -> Results:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--throughput", action="store_true", help="also the GPU step benchmark over the id streams")
     p.add_argument("--profile", action="store_true",
-                   help="throughput: also print SparseAdamW's top GPU kernels per step on each stream")
+                   help="throughput: also print, per sparse optimizer and stream, the GPU's busy and idle time, "
+                        "the synchronizing and cudaMalloc calls a step, and SparseAdamW's top GPU kernels")
     p.add_argument("--quick", action="store_true", help=f"throughput on {', '.join(QUICK_STREAMS)} only, shorter")
     p.add_argument("--streams", default=None, help=f"comma-separated subset of {','.join(STREAMS)}")
     p.add_argument("--tokens", type=Path, default=None, help="GPT-2 ids saved by --save-tokens")

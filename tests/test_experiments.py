@@ -810,3 +810,14 @@ def test_a_commit_given_in_full_is_recorded_as_gits_short_form(monkeypatch):
     monkeypatch.setenv("FUSELAB_GIT_DIRTY", "0")
     env = environment()
     assert env["commit"] == "0c9581116085" and env["dirty"] is False
+
+
+def test_sparse_step_diagnosis_runs_the_step_and_names_each_figure():
+    # sparse_embedding --profile's line per optimizer (on a CPU: no GPU time, no syncs, no cudaMalloc).
+    from experiments.sparse_embedding import step_diagnosis
+
+    calls = []
+    line = step_diagnosis(lambda: calls.append(1), steps=4)
+    assert len(calls) >= 4 + 5  # the counted steps and the profiled ones
+    for part in ("GPU busy 0.000 ms, idle 0.000 ms a step", "0 synchronizing calls a step", "0 cudaMalloc a step"):
+        assert part in line

@@ -581,6 +581,27 @@ def test_layers_that_share_an_input_quantize_it_once(fp8, monkeypatch):
         assert len(calls) == 3
 
 
+@pytest.mark.gpu
+def test_a_captured_graph_quantizes_its_input_on_every_replay():
+    # The eager warm-up quantized x on the capture's stream and x is unchanged at capture: the graph
+    # must still record that quantization, or a replay on new data would read the warm-up's.
+    model, x = _mlp().cuda().to(torch.bfloat16), torch.randn(8, 24, device="cuda", dtype=torch.bfloat16)
+    quantize_(model, _config("int8-dynamic", model, x))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(stream):
+            model(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y = model(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, model(x))
+
+
 @pytest.mark.parametrize("config", ["int8-dynamic", "int8-static", "fp8"])
 def test_every_config_on_an_mlp(config):
     model, x = _mlp(), torch.randn(9, 24)

@@ -43,8 +43,11 @@ def _stream_of(x: torch.Tensor) -> Optional[int]:
 def _quantize_input(x: torch.Tensor, quantize: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
     """``quantize(x)``, reused from the previous call where that call quantized this very tensor,
     unchanged since (its version counter) and on the same stream; eager calls only. An inference
-    tensor (``torch.inference_mode``) has no version counter: it is quantized on every call."""
-    if not untraced(x) or x.is_inference():  # untraced first: Dynamo cannot trace is_inference()
+    tensor (``torch.inference_mode``) has no version counter, and a CUDA graph being captured must
+    record every quantization (a replay on new data would read an earlier one): both quantize on
+    every call."""
+    # untraced first: Dynamo cannot trace is_inference()
+    if not untraced(x) or x.is_inference() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return quantize(x)
     entry = _LAST_INPUT.get(quantize)
     if entry is not None and entry[0]() is x and entry[1] == (x._version, _stream_of(x)):

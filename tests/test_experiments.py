@@ -812,12 +812,26 @@ def test_a_commit_given_in_full_is_recorded_as_gits_short_form(monkeypatch):
     assert env["commit"] == "0c9581116085" and env["dirty"] is False
 
 
-def test_sparse_step_diagnosis_runs_the_step_and_names_each_figure():
-    # sparse_embedding --profile's line per optimizer (on a CPU: no GPU time, no syncs, no cudaMalloc).
+def test_sparse_profile_pass_diagnoses_each_sparse_optimizer(capsys):
+    # sparse_embedding --profile, after all the timing: a line per sparse optimizer, SparseAdamW's kernel
+    # table (on a CPU no GPU time, syncs or cudaMalloc: the figures are GPU-tested below).
+    from experiments.sparse_embedding import DENSE, OPTIMIZERS, profile_stream
+
+    profile_stream("uniform", 100, 8, torch.randint(0, 100, (2, 64)))
+    out = capsys.readouterr().out
+    for provider in set(OPTIMIZERS.fns) - DENSE:
+        assert f"uniform, 100 x 8, {provider}: GPU busy 0.000 ms, idle 0.000 ms a step" in out
+    assert "0 synchronizing calls a step; 0 cudaMalloc a step" in out and "where a fwd+bwd+step's" in out
+
+
+@pytest.mark.gpu
+def test_step_diagnosis_counts_what_a_step_does_on_the_gpu():
     from experiments.sparse_embedding import step_diagnosis
 
-    calls = []
-    line = step_diagnosis(lambda: calls.append(1), steps=4)
-    assert len(calls) >= 4 + 5  # the counted steps and the profiled ones
-    for part in ("GPU busy 0.000 ms, idle 0.000 ms a step", "0 synchronizing calls a step", "0 cudaMalloc a step"):
-        assert part in line
+    x = torch.randn(4096, 4096, device="cuda")
+
+    def step():
+        (x @ x).sum().item()  # GPU work, then a wait for it
+
+    line = step_diagnosis(step, steps=3)
+    assert "1 synchronizing calls a step" in line and "GPU busy 0.000 ms" not in line, line

@@ -25,9 +25,11 @@ def _same(q, ref) -> bool:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
-def test_kernel_gives_pytorchs_bits(device, dtype, fp8):
-    # 3-D, a zero row, a row with one large value, and K above one block (two loop trips).
-    x = torch.randn(2, 5, 4100, device=device).to(dtype)
+@pytest.mark.parametrize("K", [300, 4100], ids=["one-pass", "two-pass"])
+def test_kernel_gives_pytorchs_bits(device, dtype, fp8, K):
+    # 3-D, a zero row, a row with one large value; K within one block (the row read once) and above it
+    # (two loop trips, two reads).
+    x = torch.randn(2, 5, K, device=device).to(dtype)
     x[0, 1] = 0
     x[1, 2, 7] = 300.0
     q, scale = torch.ops.fuselab.quantize_rows(x, fp8)
@@ -40,10 +42,11 @@ def test_kernel_gives_pytorchs_bits(device, dtype, fp8):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
-def test_rows_with_nan_or_inf_get_scales_that_are_not_finite(device, dtype, fp8):
+@pytest.mark.parametrize("K", [300, 4100], ids=["one-pass", "two-pass"])
+def test_rows_with_nan_or_inf_get_scales_that_are_not_finite(device, dtype, fp8, K):
     # NaN or inf must reach the layer's output (scale x accumulator), never vanish into a finite row.
-    x = torch.randn(4, 300, device=device).to(dtype)
-    x[0, 5], x[1, 299], x[2, 7] = float("nan"), float("inf"), float("-inf")
+    x = torch.randn(4, K, device=device).to(dtype)
+    x[0, 5], x[1, K - 1], x[2, 7] = float("nan"), float("inf"), float("-inf")
     q, scale = torch.ops.fuselab.quantize_rows(x, fp8)
     q_ref, scale_ref = rowwise._torch_rowwise(x, fp8)
     assert torch.isnan(scale[0]) and torch.isnan(scale_ref[0])
@@ -108,3 +111,22 @@ def test_opcheck(device):
     # test_schema compares outputs with ops PyTorch lacks for fp8 tensors
     torch.library.opcheck(torch.ops.fuselab.quantize_rows, (x, True),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.gpu
+def test_repeated_calls_relaunch_from_a_plan_with_the_same_bits(monkeypatch):
+    # A layer quantizes inputs of one layout over and over: from the second call on, a launch plan
+    # (no Triton argument binding) runs the kernel; new data, same bits as PyTorch's ops.
+    import importlib
+
+    runtime = importlib.import_module("fuselab.kernels._runtime")
+    relaunched, call = [], runtime._LaunchPlan.__call__
+    monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))
+    for fp8 in (False, True):
+        public = quantize_fp8_rowwise if fp8 else quantize_int8_rowwise
+        for i in range(3):  # the op (the dispatcher) first, then the public function (no dispatcher)
+            x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+            q, scale = torch.ops.fuselab.quantize_rows(x, fp8) if i == 0 else public(x)
+            q_ref, scale_ref = rowwise._torch_rowwise(x, fp8)
+            assert torch.equal(scale, scale_ref) and _same(q, q_ref)
+    assert len(relaunched) >= 4  # calls 2 and 3 of each dtype

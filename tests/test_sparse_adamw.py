@@ -786,3 +786,18 @@ def test_sparse_and_fused_dense_step_captured_in_cuda_graph():
     # cuBLAS may pick another algorithm under capture: the head's GEMMs agree to rounding, not bitwise
     torch.testing.assert_close(head.weight, ref_head.weight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(emb.weight, ref_emb.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_backward_through_a_weight_the_step_changed_raises(device):
+    # The fused update writes the rows in place outside autograd's view: it bumps their version counters
+    # as an in-place op would, so a backward that saved the old weight raises, as with SparseAdam.
+    emb = torch.nn.Embedding(50, 8, sparse=True, device=device)
+    opt = SparseAdamW(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2, 2, 7], device=device)).sum().backward()
+    saved = emb.weight.pow(2).sum()  # saves the weight as it is before the step
+    version = emb.weight._version
+    opt.step()
+    assert emb.weight._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()

@@ -77,10 +77,17 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
                for t in tensors)
 
 
-def call_untraced(op, body: Callable, *args):
+def call_untraced(op, body: Callable, *args, mutated: Tuple[torch.Tensor, ...] = ()):
     """``op(*args)``, or the op's eager ``body(*args)`` without the custom-op dispatcher where nothing
-    traces the call (``untraced``): the dispatcher's host cost is most of a small op's."""
-    return body(*args) if untraced(*(a for a in args if isinstance(a, torch.Tensor))) else op(*args)
+    traces the call (``untraced``): the dispatcher's host cost is most of a small op's. ``mutated``:
+    the tensors the op writes in place, whose version counters the body bumps as the op would (autograd
+    then refuses a backward through a value saved before the write)."""
+    if not untraced(*(a for a in args if isinstance(a, torch.Tensor))):
+        return op(*args)
+    out = body(*args)
+    if mutated:
+        torch.autograd.graph.increment_version(mutated)
+    return out
 
 
 def _scratch_allocator(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:

@@ -213,9 +213,9 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
              1.0 - lr * weight_decay)
     strides = (param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0))
     # What both kernels specialize on but the data (see launch_planned): the grids and every integer
-    # argument follow from nnz, dim and the strides; dtypes and 16-byte alignments of the tensors.
+    # argument follow from nnz, dim, the strides and the blocks; dtypes and 16-byte alignments of the tensors.
     tensors = (ids, order, values, partial, param, exp_avg, exp_avg_sq, step)
-    layout = (param.get_device(), nnz, dim, values.stride(0), strides, maximize,
+    layout = (param.get_device(), nnz, dim, values.stride(0), strides, maximize, block_d, warps, block_d2, heads,
               *((t.dtype, t.data_ptr() % 16) for t in tensors))
     _launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)), layout, tensors,
             (nnz, n_chunks, dim, values.stride(0), *strides), hyper,
@@ -289,4 +289,4 @@ def sparse_adamw_update_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq:
     most of a small step's); traced calls record ``torch.ops.fuselab.sparse_adamw_update_``.
     """
     call_untraced(torch.ops.fuselab.sparse_adamw_update_, _update, param, exp_avg, exp_avg_sq, indices, values, step,
-                  lr, beta1, beta2, eps, weight_decay, maximize)
+                  lr, beta1, beta2, eps, weight_decay, maximize, mutated=(param, exp_avg, exp_avg_sq))

@@ -6,15 +6,14 @@ output has the input's dtype (autocast's under autocast). Inference only: the te
 and no gradient flows through a quantized layer. State-dict keys: ``weight`` (the quantized
 weight), ``weight_scale``, ``bias`` and, for static activations, ``act_scale``.
 """
-import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.utils import _pair
 
-from fuselab.kernels._runtime import SUPPORTED_DTYPES, untraced
+from fuselab.kernels._runtime import SUPPORTED_DTYPES
 from fuselab.quant.fp8_gemm import fp8_matmul
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
 from fuselab.quant.int8_gemm import int8_matmul
@@ -28,38 +27,6 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"a quantized layer takes float32, float16 or bfloat16 inputs, got {x.dtype}")
     return x.dtype
-
-
-# The last input each dynamic quantizer saw, with its quantized form: attention's q, k and v
-# projections take the same tensor, which is then quantized once, not three times. Keyed by the
-# quantizer; an entry holds its input weakly and dies with it, so no activation outlives its use.
-_LAST_INPUT: Dict[Callable, tuple] = {}
-
-
-def _stream_of(x: torch.Tensor) -> Optional[int]:
-    return torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
-
-
-def _quantize_input(x: torch.Tensor, quantize: Callable) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``quantize(x)``, reused from the previous call where that call quantized this very tensor,
-    unchanged since (its version counter) and on the same stream; eager calls only. An inference
-    tensor (``torch.inference_mode``) has no version counter, and a CUDA graph being captured must
-    record every quantization (a replay on new data would read an earlier one): both quantize on
-    every call."""
-    # untraced first: Dynamo cannot trace is_inference()
-    if not untraced(x) or x.is_inference() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return quantize(x)
-    entry = _LAST_INPUT.get(quantize)
-    if entry is not None and entry[0]() is x and entry[1] == (x._version, _stream_of(x)):
-        return entry[2]
-    out = quantize(x)
-
-    def forget(ref, quantize=quantize):
-        if _LAST_INPUT.get(quantize, (None,))[0] is ref:
-            _LAST_INPUT.pop(quantize, None)
-
-    _LAST_INPUT[quantize] = (weakref.ref(x, forget), (x._version, _stream_of(x)), out)
-    return out
 
 
 class _QuantizedLinear(nn.Module):
@@ -114,7 +81,7 @@ class Int8Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = _output_dtype(x)
         if self.act_scale is None:
-            xq, x_scale = _quantize_input(x, quantize_int8_rowwise)
+            xq, x_scale = quantize_int8_rowwise(x)
         else:
             xq, x_scale = quantize_int8_static(x, self.act_scale), self.act_scale
         return int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
@@ -135,7 +102,7 @@ class Float8Linear(_QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = _output_dtype(x)
-        xq, x_scale = _quantize_input(x, quantize_fp8_rowwise)
+        xq, x_scale = quantize_fp8_rowwise(x)
         return fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
 
 

@@ -279,6 +279,7 @@ def step_diagnosis(step: Callable[[], object], steps: int = 20) -> str:
     calls that wait for the GPU, and the allocator's cudaMalloc calls a step (each can stall the host)."""
     busy, idle, gaps = gpu_timeline(step, steps=5)
     syncs, _ = synchronizing_calls(step)
+
     def device_allocs() -> int:
         return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
 

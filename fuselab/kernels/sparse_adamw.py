@@ -45,6 +45,7 @@ indices (a sparse gradient's are): the kernels do not check them. float64 parame
 path (``sparse_adamw_torch``: ``coalesce()``, which waits for the host).
 """
 import struct
+from typing import Optional
 
 import torch
 import triton
@@ -212,11 +213,13 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
     hyper = (float(lr), beta1_hi, beta1_lo, 1.0 - beta1, beta2_hi, beta2_lo, 1.0 - beta2, float(eps),
              1.0 - lr * weight_decay)
     strides = (param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0))
-    # What both kernels specialize on but the data (see launch_planned): the grids and every integer
-    # argument follow from nnz, dim, the strides and the blocks; dtypes and 16-byte alignments of the tensors.
     tensors = (ids, order, values, partial, param, exp_avg, exp_avg_sq, step)
-    layout = (param.get_device(), nnz, dim, values.stride(0), strides, maximize, block_d, warps, block_d2, heads,
-              *((t.dtype, t.data_ptr() % 16) for t in tensors))
+    layout = None  # traced (fake tensors have no data pointer) or plans off: Triton's own launches
+    if PLANNED_LAUNCHES and not is_tracing():
+        # What both kernels specialize on but the data (see launch_planned): the grids and every integer
+        # argument follow from nnz, dim, the strides and the blocks; dtypes and 16-byte alignments of tensors.
+        layout = (param.get_device(), nnz, dim, values.stride(0), strides, maximize, block_d, warps, block_d2,
+                  heads, *((t.dtype, t.data_ptr() % 16) for t in tensors))
     _launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)), layout, tensors,
             (nnz, n_chunks, dim, values.stride(0), *strides), hyper,
             dict(MAXIMIZE=maximize, CHUNK=CHUNK, LOG2_CHUNK=LOG2_CHUNK, BLOCK_D=block_d, num_warps=warps))
@@ -226,12 +229,12 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
                 dict(MAXIMIZE=maximize, CHUNK=CHUNK, HEADS=heads, BLOCK_D=block_d2, num_warps=4))
 
 
-def _launch(kernel, grid, layout: tuple, tensors: tuple, ints: tuple, floats: tuple, meta: dict) -> None:
-    """``kernel[grid](*tensors, *ints, *floats, **meta)`` (its arguments in that order); an eager one
-    through a launch plan: ``layout`` fixes the rest, the floats are passed again (a scheduler's new
-    lr each step makes no new plan)."""
+def _launch(kernel, grid, layout: Optional[tuple], tensors: tuple, ints: tuple, floats: tuple, meta: dict) -> None:
+    """``kernel[grid](*tensors, *ints, *floats, **meta)`` (its arguments in that order); with a ``layout``
+    (an eager call) through a launch plan: the layout fixes the rest, the floats are passed again (a
+    scheduler's new lr each step makes no new plan)."""
     plan_key = None
-    if PLANNED_LAUNCHES and not is_tracing():
+    if layout is not None:
         plan_key = (kernel.fn.__name__, layout)
         if launch_planned(plan_key, *tensors, *floats):
             return

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -286,6 +287,27 @@ def test_library_choice_is_timed_by_calling_it(cache_dir):
     tuner._do_bench = lambda fn, quantiles: fn() or [1.0] * 3  # runs each candidate once; all tie
     _double(tuner, 100)
     assert calls == [100] and tuner.best_config is CONFIGS[0]  # timed on the launch's arguments; ties: the kernel
+
+
+def test_a_library_call_is_timed_no_faster_than_the_host_issues_it(cache_dir, monkeypatch):
+    # GPU time alone would take the library call (1 ms against the kernel's 2); its host time per call
+    # (3 ms here) is what an eager caller waits for, so the kernel's config wins.
+    monkeypatch.setattr(_autotune, "INTERPRET", False)  # the rule is off in the interpreter
+    calls = []
+    slow = _autotune.LibraryChoice("slow host", lambda args: calls.append(time.sleep(0.003)), lambda args: True)
+    tuner = _autotune.PersistentAutotuner(_double_kernel, CONFIGS, key=["SIZE_KEY"], library=[slow])
+
+    def gpu_time(fn, quantiles):
+        before = len(calls)
+        fn()
+        return [1.0 if len(calls) > before else 2.0] * 3
+
+    tuner._do_bench = gpu_time
+    _double(tuner, 100)
+    assert tuner.best_config in CONFIGS and tuner.configs_timings[slow][0] >= 3.0
+    timings = _autotune.issue_bound(slow, lambda: time.sleep(0.003), [1.0, 0.5, 1.5])
+    assert all(t >= 3.0 for t in timings)
+    assert _autotune.issue_bound(CONFIGS[0], pytest.fail, [1.0, 0.5, 1.5]) == [1.0, 0.5, 1.5]  # a config: GPU time
 
 
 def test_library_choice_is_never_taken_untimed(cache_dir, env):

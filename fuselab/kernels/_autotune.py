@@ -4,7 +4,8 @@ A user's second process must not retune: the best config for each tuning key is 
 ``<FUSELAB_CACHE_DIR>/autotune/<gpu>/triton-<version>/<kernel>-<fingerprint>.json``. The fingerprint
 hashes what a choice was made among: the kernel's source and that of every ``@triton.jit`` function
 it calls, the configs, the pruning rule, the library choices (``LibraryChoice``: a library call timed
-beside the configs, cuBLAS say) and the tuning key's names. Editing any of them retunes.
+beside the configs, cuBLAS say, and the rule that times them: ``issue_bound``) and the tuning key's
+names. Editing any of them retunes.
 Everything is read at first use: the cache directory and GPU name when a tuning key is first seen
 (``import fuselab`` reads neither and does not initialize CUDA), ``FUSELAB_AUTOTUNE`` at each
 kernel's first launch. ``FUSELAB_AUTOTUNE=0`` times nothing: each launch takes the kernel's heuristic config,
@@ -29,6 +30,7 @@ import inspect
 import json
 import logging
 import re
+import time
 import types
 import warnings
 from functools import cached_property
@@ -146,7 +148,8 @@ def tuning_fingerprint(kernel, configs: List[triton.Config], key: List[str], pru
         digest.update(part.encode())
     digest.update(repr([str(c) for c in configs]).encode())
     digest.update(repr(list(key)).encode())
-    for fn in ([prune] if prune is not None else []) + [f for c in library for f in (c.call, c.applies)]:
+    rule = [issue_bound] if library else []
+    for fn in ([prune] if prune is not None else []) + [f for c in library for f in (c.call, c.applies)] + rule:
         digest.update(_python_source(fn).encode())
     digest.update(repr([str(c) for c in library]).encode())
     return digest.hexdigest()[:16]
@@ -303,6 +306,29 @@ class LibraryChoice(triton.Config):
     __eq__, __hash__ = object.__eq__, object.__hash__
 
 
+def issue_bound(config: triton.Config, run: Callable[[], object], timings: Sequence[float]) -> List[float]:
+    """``timings`` (ms, GPU time) of ``run`` with ``config``, each raised to the host's time to issue one
+    call when ``config`` is a ``LibraryChoice``: an eager call cannot finish before the host has issued it.
+    A library call (torch's dispatcher, cuBLAS's setup, a separate ReLU) costs the host several times a
+    planned kernel launch (``eager_path``), which stays under its kernel's GPU time; at small problems
+    that host time, not the GPU's, is what a model waits for. The tuner, the sweep and its checks all time
+    library choices through this one rule."""
+    if not isinstance(config, LibraryChoice) or INTERPRET:
+        return list(timings)
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    calls, best = 10, float("inf")
+    for _ in range(3):  # the least of three batches: the host's own noise only ever adds time
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        best = min(best, (time.perf_counter() - start) * 1e3 / calls)
+    sync()
+    return [max(t, best) for t in timings]
+
+
 class PersistentAutotuner(Autotuner):
     """An Autotuner that reads and writes its choices in a JSON file (see module docstring)."""
 
@@ -409,7 +435,8 @@ class PersistentAutotuner(Autotuner):
         if isinstance(config, LibraryChoice):
             named = bound_args(self.arg_names, args, meta)
             try:
-                return self.do_bench(lambda: config.call(named), quantiles=(0.5, 0.2, 0.8))
+                timings = self.do_bench(lambda: config.call(named), quantiles=(0.5, 0.2, 0.8))
+                return issue_bound(config, lambda: config.call(named), timings) if self.tune else timings
             except RuntimeError as e:  # the library refuses these operands: the kernel's configs remain
                 log.info("fuselab: %s: %s refused this launch (%s)", self.base_fn.__name__, config, e)
                 return [float("inf")] * 3

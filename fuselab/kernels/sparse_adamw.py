@@ -70,6 +70,11 @@ TILE = 4096  # elements of a program's (positions, columns) tile: 32 fp32 regist
 
 
 @triton.jit
+def _f32(x):
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _one_minus_pow(beta_hi, beta_lo, t):
     # 1 - beta**t in float64 for an integer t >= 0, beta = hi + lo: squaring over t's bits.
     base = tl.cast(beta_hi, tl.float64) + tl.cast(beta_lo, tl.float64)
@@ -86,6 +91,10 @@ def _one_minus_pow(beta_hi, beta_lo, t):
 def _adamw(p_ptrs, m_ptrs, v_ptrs, g, mask, step_ptr, lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo,
            one_minus_beta2, eps, decay, MAXIMIZE: tl.constexpr):
     # The SparseAdamW rule on the rows behind the pointers, g their summed gradient (fp32).
+    # Triton's launcher passes Python floats as fp32, torch.compile's as fp64: round them alike.
+    lr, beta1_hi, beta1_lo = _f32(lr), _f32(beta1_hi), _f32(beta1_lo)
+    beta2_hi, beta2_lo, eps, decay = _f32(beta2_hi), _f32(beta2_lo), _f32(eps), _f32(decay)
+    one_minus_beta1, one_minus_beta2 = _f32(one_minus_beta1), _f32(one_minus_beta2)
     t = tl.load(step_ptr).to(tl.int64)
     step_size = (tl.cast(lr, tl.float64) / _one_minus_pow(beta1_hi, beta1_lo, t)).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt_rn(_one_minus_pow(beta2_hi, beta2_lo, t).to(tl.float32))

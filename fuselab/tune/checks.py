@@ -103,7 +103,8 @@ def _check_launch(results, problem, launch, path, options, rounds) -> list:
     times = {}
     for config in launch.configs:
         try:
-            times[str(config)] = measure(lambda: launch.run(config), options.mode, options.warmup_ms, options.rep_ms)[1]
+            times[str(config)] = measure(lambda: launch.run(config), options.mode, options.warmup_ms, options.rep_ms,
+                                         config)[1]
         except Exception:  # noqa: BLE001  a config that cannot run is not the best
             times[str(config)] = float("inf")
     by_name = {str(c): c for c in launch.configs}
@@ -118,7 +119,7 @@ def _check_launch(results, problem, launch, path, options, rounds) -> list:
     for _ in range(rounds if choice != best else 1):  # alternately: drifting clocks hit both alike
         for name in samples:
             samples[name].append(measure(lambda: launch.run(by_name[name]), options.mode, options.warmup_ms,
-                                         options.rep_ms)[1])
+                                         options.rep_ms, by_name[name])[1])
     for provider, name in (("shipped", choice), ("exhaustive best", best)):
         s = sorted(samples[name])
         results.record(**common, provider=provider, metric="ms", value=(s[0], statistics.median(s), s[-1]),

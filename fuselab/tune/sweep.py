@@ -56,10 +56,13 @@ def short_name(config: triton.Config) -> str:
                      f"w{config.num_warps}"] + flags)
 
 
-def measure(fn: Callable[[], object], mode: str, warmup_ms: float, rep_ms: float) -> Tuple[float, float, float]:
-    """(p20, p50, p80) milliseconds of ``fn()``: ``eager`` by do_bench, ``wall`` one call, synchronized."""
+def measure(fn: Callable[[], object], mode: str, warmup_ms: float, rep_ms: float,
+            config: Optional[triton.Config] = None) -> Tuple[float, float, float]:
+    """(p20, p50, p80) milliseconds of ``fn()``: ``eager`` by do_bench, ``wall`` one call, synchronized.
+    ``config``: the choice ``fn`` runs, timed by the tuner's rule (``issue_bound``: a library call's host time)."""
     if mode == "eager":
-        return tuple(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)))
+        timings = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
+        return tuple(_autotune.issue_bound(config, fn, timings) if config is not None else timings)
     t0 = time.perf_counter()
     fn()
     if torch.cuda.is_available():
@@ -372,7 +375,8 @@ def _time_problem(problem: Problem, results: Results, options: Options, bar, sta
                     return timed
                 keys = dict(common, provider=short_name(config), **extra, config=str(config))
                 try:
-                    value = measure(lambda: launch.run(config), options.mode, options.warmup_ms, options.rep_ms)
+                    value = measure(lambda: launch.run(config), options.mode, options.warmup_ms, options.rep_ms,
+                                    config)
                 except Exception as e:  # noqa: BLE001  out of resources, a compiler error: recorded, skipped
                     results.fail(**keys, error=e)
                 else:

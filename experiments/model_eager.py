@@ -4,7 +4,8 @@ stock against patched by ``fuse_linear_relu``, with where the GPU waits.
 For each size x tokens x task (``infer``: forward under no_grad; ``train``: forward, loss,
 backward) x variant x mode (eager, or a torch.compile mode), bf16 parameters, rows of:
 
-    ms            wall time per step, synchronized (harness ``wall`` mode)
+    ms            wall time per step, synchronized (harness ``wall`` mode); the variants are timed
+                  in ``--rounds`` alternating rounds, each quantile the median round's
     host ms       time to enqueue one step, never synchronized (eager only; ``host`` mode)
     GPU busy ms   union of the GPU's kernel/copy intervals per step (profiler trace, ``--trace``;
                   profiled steps run slower, so these are measured after all the timing)
@@ -20,8 +21,8 @@ synchronizing call of one step.
     python -m experiments.model_eager --sizes tiny --tokens 1x32 --device cpu --modes eager   # smoke test
 """
 import argparse
-import collections
 import contextlib
+import statistics
 import time
 
 import torch
@@ -59,74 +60,102 @@ def make_step(model, tokens, task: str, mode: str):
 
 def run(args) -> harness.Results:
     """Times every configuration first, then (``--trace``/``--syncs``) diagnoses them: a profiler
-    session slows every later launch in its process, so nothing is timed after one."""
+    session slows every later launch in its process, so nothing is timed after one.
+
+    The variants of one size x tokens x task x mode are built together and timed in alternating
+    rounds: these hosts drift by 10-40% over seconds, and a model's eager step at 1 x 128 tokens is
+    host-bound, so variants timed one after another compare drifts, not variants."""
     results = harness.Results(STUDY)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    grid = [(s, t, task, mode, v) for s in args.sizes for t in args.tokens for task in args.tasks
-            for mode in args.modes for v in args.variants]
-    plan = [cfg for _ in range(args.passes) for cfg in grid]  # passes alternate the variants: same drift
-    timings, start = collections.defaultdict(list), time.perf_counter()
-    for size, (batch, seq), task, mode, variant in tqdm(plan, desc=STUDY):
+    groups = [(s, t, task, mode) for s in args.sizes for t in args.tokens for task in args.tasks for mode in args.modes]
+    timed, start = set(), time.perf_counter()
+    for size, (batch, seq), task, mode in tqdm(groups, desc=STUDY):
         if args.budget_min and time.perf_counter() - start > 60 * args.budget_min:
             print(f"budget of {args.budget_min} min spent: the rest of the plan is not measured")
             break
-        keys = dict(op=task, provider=variant, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
+        common = dict(op=task, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
         results.set_baseline(task, "stock")
-        try:
-            with _configuration(size, (batch, seq), task, mode, variant, device) as (step, first_s):
-                if not timings[tuple(keys.values())]:
-                    results.record(metric="first call s", value=first_s, **keys)
-                wall = harness.time_call(step, "wall", iters=args.iters, warmup_iters=args.warmup)
-                timings[tuple(keys.values())].append(wall)
-                if mode == "eager" and len(timings[tuple(keys.values())]) == 1:
-                    results.record(metric="host ms", value=harness.time_call(step, "host", iters=args.iters), **keys)
-        except torch.OutOfMemoryError as e:
-            results.record(metric="failed", value=1, error=f"out of memory: {str(e)[:200]}", **keys)
-    for key, walls in timings.items():  # the median of each pass's quantiles
-        mid = sorted(walls, key=lambda t: t.p50)[len(walls) // 2]
-        results.record(metric="ms", value=mid, passes=len(walls), **dict(zip(("op", "provider", "shape", "dtype",
-                                                                             "mode"), key)))
+        torch._dynamo.reset()
+        with contextlib.ExitStack() as stack:
+            steps = {}
+            for variant in args.variants:
+                try:
+                    steps[variant], first_s = stack.enter_context(
+                        _configuration(size, (batch, seq), task, mode, variant, device))
+                except torch.OutOfMemoryError as e:
+                    results.record(metric="failed", value=1, error=f"out of memory: {str(e)[:200]}", provider=variant,
+                                   **common)
+                    continue
+                results.record(metric="first call s", value=first_s, provider=variant, **common)
+            walls = {variant: [] for variant in steps}
+            for r in range(args.rounds):
+                for variant in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                    walls[variant].append(harness.time_call(steps[variant], "wall", iters=args.iters,
+                                                            warmup_iters=args.warmup))
+            for variant, rounds in walls.items():
+                results.record(metric="ms", value=_median_timing(rounds), rounds=[t.p50 for t in rounds],
+                               provider=variant, **common)
+                timed.add((size, (batch, seq), task, mode, variant))
+            if mode == "eager":
+                for variant in steps:
+                    results.record(metric="host ms", value=harness.time_call(steps[variant], "host", iters=args.iters),
+                                   provider=variant, **common)
     if cuda and (args.trace or args.syncs):
-        for size, (batch, seq), task, mode, variant in grid:
-            keys = dict(op=task, provider=variant, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
-            if not timings[tuple(keys.values())]:  # cut by the budget (or out of memory): not diagnosed either
-                continue
-            with _configuration(size, (batch, seq), task, mode, variant, device) as (step, _):
-                if args.trace:
-                    busy, idle, gaps = harness.gpu_timeline(step)
-                    results.record(metric="GPU busy ms (profiled)", value=busy, **keys)
-                    results.record(metric="GPU idle ms (profiled)", value=idle, **keys)
-                    print(f"{keys['shape']} {task} {mode} {variant}: {harness.timeline_summary(busy, idle, gaps)}")
-                if mode == "eager":
-                    count, found = harness.synchronizing_calls(step, stacks=args.syncs)
-                    results.record(metric="syncs/step", value=count, **keys)
-                    for i, stack in enumerate(found if args.syncs else []):
-                        print(f"--- {keys['shape']} {task} {variant}: synchronizing call {i + 1} of {count}\n{stack}")
+        for size, (batch, seq), task, mode in groups:
+            for variant in args.variants:
+                if (size, (batch, seq), task, mode, variant) not in timed:  # cut by the budget, or out of memory
+                    continue
+                keys = dict(op=task, provider=variant, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
+                torch._dynamo.reset()
+                with _configuration(size, (batch, seq), task, mode, variant, device) as (step, _):
+                    if args.trace:
+                        busy, idle, gaps = harness.gpu_timeline(step)
+                        results.record(metric="GPU busy ms (profiled)", value=busy, **keys)
+                        results.record(metric="GPU idle ms (profiled)", value=idle, **keys)
+                        print(f"{keys['shape']} {task} {mode} {variant}: {harness.timeline_summary(busy, idle, gaps)}")
+                    if mode == "eager":
+                        count, found = harness.synchronizing_calls(step, stacks=args.syncs)
+                        results.record(metric="syncs/step", value=count, **keys)
+                        for i, stack in enumerate(found if args.syncs else []):
+                            print(f"--- {keys['shape']} {task} {variant}: synchronizing call {i + 1} of {count}\n{stack}")
     return results
+
+
+def _median_timing(rounds) -> harness.Timing:
+    """Each quantile's median over the rounds."""
+    return harness.Timing(*(statistics.median(getattr(t, q) for t in rounds) for q in ("p20", "p50", "p80")))
 
 
 @contextlib.contextmanager
 def _configuration(size, tokens, task, mode, variant, device):
-    """(step, seconds of its first call) for one configuration; memory given back afterwards."""
+    """(step, seconds of its first call) for one configuration; memory given back afterwards.
+    ``fuselab-python`` steps run with the C++ eager path off, each call."""
     cuda = device.type == "cuda"
     torch.manual_seed(0)
-    torch._dynamo.reset()
     python_path = variant == "fuselab-python"
     model, vocab = opt_decoder(size, "fuselab" if python_path else variant, device=device,
                                dtype=torch.bfloat16 if cuda else None)
     model.eval()  # no dropout in these configs; eval skips transformers' LayerDrop draw
     step = make_step(model, torch.randint(0, vocab, tokens, device=device), task, mode)
-    with eager_path.disabled() if python_path else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        step()
-        harness.sync()
-        try:
-            yield step, time.perf_counter() - t0
-        finally:
-            del model, step
-            if cuda:
-                torch.cuda.empty_cache()
+    if python_path:
+        step = _on_python_path(step)
+    t0 = time.perf_counter()
+    step()
+    harness.sync()
+    try:
+        yield step, time.perf_counter() - t0
+    finally:
+        del model, step
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _on_python_path(step):
+    def python_path_step():
+        with eager_path.disabled():
+            return step()
+    return python_path_step
 
 
 def report(results: harness.Results) -> str:
@@ -167,10 +196,10 @@ def main(argv=None):
     p.add_argument("--modes", type=choice_list(MODES), default=["eager"])
     p.add_argument("--variants", type=choice_list(("stock", "fuselab", "fuselab-python", "norelu")),
                    default=["stock", "fuselab"], help="fuselab-python: patched, the C++ eager path off")
-    p.add_argument("--iters", type=harness.positive_int, default=20)
+    p.add_argument("--iters", type=harness.positive_int, default=10, help="synchronized steps a round")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--passes", type=harness.positive_int, default=1,
-                   help="time the plan this many times, alternating configurations (the median pass is kept)")
+    p.add_argument("--rounds", type=harness.positive_int, default=5,
+                   help="rounds of --iters steps of each variant, alternating (each quantile: its median round)")
     p.add_argument("--trace", action="store_true", help="GPU busy/idle time per step from a profiler trace")
     p.add_argument("--syncs", action="store_true", help="print the stack of every synchronizing call of a step")
     p.add_argument("--budget-min", type=float, default=None, help="stop starting new configurations after this")

@@ -322,10 +322,13 @@ a time: `infer` is a forward under no_grad, `train` a forward, loss and backward
 (the baseline), `fuselab` (patched by `fuse_linear_relu`: the fused layers' eager calls take the C++
 path, `fuselab.kernels.eager_path`) and `fuselab-python` (the same model with the C++ path off: a
 Python autograd.Function and launch plans). `ms` is the synchronized wall time per step (p50 of the
-timed steps), `host ms` the time to enqueue one step without synchronizing, `first call s` the first
-step (autotuning included; in a process's first patched configuration also the C++ path's one-time
-build). Eager mode is host-bound at these sizes, so `x stock` moves by several percent between runs; a
-training step's GPU time also depends on the backward GEMMs' kernels.""",
+timed steps; since commit 938695c the variants of a configuration are built together and timed in
+alternating rounds, each quantile the median round's), `host ms` the time to enqueue one step without
+synchronizing, `first call s` the first step (autotuning included; in a process's first patched
+configuration also the C++ path's one-time build). Eager mode is host-bound at 1 x 128 tokens, and these
+hosts drift by 10-40% within seconds: rows timed before the rounds (one variant after the other, a
+model built for each) compare drifts as much as variants, and their `x stock` moved between 0.58x and
+1.08x from run to run at 1 x 128. A training step's GPU time also depends on the backward GEMMs' kernels.""",
         command="python -m experiments.model_eager --sizes opt-125m,opt-350m,opt-1.3b --tokens 1x128,8x1024 "
                 "--variants stock,fuselab,fuselab-python --results",
         views=(View("ms", index=("shape", "mode"), split=("op",), title="{op}: ms per step"),

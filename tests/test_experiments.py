@@ -332,13 +332,25 @@ def test_model_eager_times_stock_and_patched_decoders(tmp_path, monkeypatch, cap
     # Every configuration is timed (wall and host) before any diagnosis, with the stock decoder as the baseline.
     # The fused op's PyTorch bodies: this checks the study's machinery, not the kernel (the interpreter is slow).
     monkeypatch.setattr(importlib.import_module("fuselab.kernels.matmul_relu_triton"), "_runs_triton", lambda t: False)
+    timed, time_call = [], model_eager.harness.time_call
+
+    def recording(fn, mode, **kwargs):
+        if mode == "wall":
+            timed.append(fn)
+        return time_call(fn, mode, **kwargs)
+
+    monkeypatch.setattr(model_eager.harness, "time_call", recording)
     res = model_eager.main(["--sizes", "tiny", "--tokens", "1x8", "--device", "cpu", "--iters", "2", "--warmup", "0",
-                            "--passes", "2", "--out", str(tmp_path / "me.json")])
+                            "--rounds", "3", "--out", str(tmp_path / "me.json")])
+    # per task, the two variants' rounds alternate: a b, b a, a b (drift hits both alike)
+    for task in range(2):
+        a, b = timed[6 * task:6 * task + 2]
+        assert a is not b and timed[6 * task:6 * task + 6] == [a, b, b, a, a, b]
     assert res.baselines == {"infer": "stock", "train": "stock"}
     for task in ("infer", "train"):
         for variant in ("stock", "fuselab"):
             row = res.select(op=task, provider=variant, metric="ms")
-            assert len(row) == 1 and row[0]["passes"] == 2 and row[0]["p50"] > 0
+            assert len(row) == 1 and len(row[0]["rounds"]) == 3 and row[0]["p50"] == sorted(row[0]["rounds"])[1]
             assert res.value(op=task, provider=variant, metric="host ms") > 0
     assert Results.load(tmp_path / "me.json").to_json() == res.to_json()
     # the real sizes on a CPU: refused (they ran the whole OPT grid for many minutes)

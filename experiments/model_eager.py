@@ -118,7 +118,8 @@ def run(args) -> harness.Results:
                         count, found = harness.synchronizing_calls(step, stacks=args.syncs)
                         results.record(metric="syncs/step", value=count, **keys)
                         for i, stack in enumerate(found if args.syncs else []):
-                            print(f"--- {keys['shape']} {task} {variant}: synchronizing call {i + 1} of {count}\n{stack}")
+                            print(f"--- {keys['shape']} {task} {variant}: synchronizing call {i + 1} of {count}\n"
+                                  f"{stack}")
     return results
 
 

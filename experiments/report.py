@@ -322,7 +322,7 @@ a time: `infer` is a forward under no_grad, `train` a forward, loss and backward
 (the baseline), `fuselab` (patched by `fuse_linear_relu`: the fused layers' eager calls take the C++
 path, `fuselab.kernels.eager_path`) and `fuselab-python` (the same model with the C++ path off: a
 Python autograd.Function and launch plans). `ms` is the synchronized wall time per step (p50 of the
-timed steps; since commit 938695c the variants of a configuration are built together and timed in
+timed steps; since commit b628f61 the variants of a configuration are built together and timed in
 alternating rounds, each quantile the median round's), `host ms` the time to enqueue one step without
 synchronizing, `first call s` the first step (autotuning included; in a process's first patched
 configuration also the C++ path's one-time build). Eager mode is host-bound at 1 x 128 tokens, and these

@@ -12,14 +12,15 @@
                                              Python docs) through a 50,257 x 768 table
        movielens-users, movielens-items      MovieLens-100k's real user / item ids (943 / 1,682 x 128)
 
-   eager, replayed from a CUDA graph and ``host`` (the host's time to enqueue a step: where it exceeds
-   the graph's, the eager step waits for the host), for SparseAdamW, SparseAdam (the baseline), fused dense AdamW
-   and sparse Adagrad, beside the forward and sparse backward alone (provider ``fwd+bwd only``: the
-   part of a step no optimizer can shorten); peak memory; each optimizer's step alone, and
-   SparseAdamW's against its bytes floor (gradient rows and ids read once, p, m, v of the touched rows
-   read and written once, at the measured copy bandwidth). SparseAdam and Adagrad ``coalesce()`` the
-   gradient, which waits for the host: they cannot be captured in a graph, and those cells are recorded
-   as not measured.
+   eager, replayed from a CUDA graph and ``host`` (the host's time to enqueue a step: where it exceeds the
+   graph's, the eager step waits for the host), for SparseAdamW, SparseAdamW (graphs) (``graphs=True``: each
+   parameter's update replayed from a graph the optimizer captures itself, in an eager step), SparseAdam
+   (the baseline), fused dense AdamW and sparse Adagrad, beside the forward and sparse backward alone
+   (provider ``fwd+bwd only``: the part of a step no optimizer can shorten); peak memory; each optimizer's
+   step alone, and SparseAdamW's against its bytes floor (gradient rows and ids read once, p, m, v of the
+   touched rows read and written once, at the measured copy bandwidth). SparseAdam and Adagrad
+   ``coalesce()`` the gradient, which waits for the host: they cannot be captured in a graph, and those
+   cells are recorded as not measured.
 
 Study ``sparse_embedding`` (long format, ``experiments/harness.py``): ops ``fwd+bwd+step`` and
 ``step`` (metrics ``ms``, ``peak MiB``; SparseAdamW's ``step`` also ``x floor``, and provider
@@ -87,6 +88,11 @@ def sparse_adamw(params, device):
     return SparseAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+@OPTIMIZERS.register("SparseAdamW (graphs)")
+def sparse_adamw_graphs(params, device):
+    return SparseAdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, graphs=True)
+
+
 @OPTIMIZERS.register("AdamW (dense, fused)")
 def dense_adamw(params, device):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True, capturable=device.type == "cuda")
@@ -102,7 +108,8 @@ DENSE = {"AdamW (dense, fused)"}  # its embeddings are dense (sparse=False)
 # batch), which bounds an eager step from below wherever the GPU finishes first
 TIMED_MODES = ("eager", "graph", "host")
 NO_STEP = "fwd+bwd only"  # the sparse forward and backward with no optimizer step: the shared floor
-CAPTURABLE = {"SparseAdamW", "AdamW (dense, fused)"}  # the others coalesce(): a host sync, no CUDA graph
+# the others coalesce(): a host sync, no CUDA graph
+CAPTURABLE = {"SparseAdamW", "SparseAdamW (graphs)", "AdamW (dense, fused)"}
 NOT_CAPTURABLE = "coalesce() waits for the host: the step cannot be captured in a CUDA graph"
 
 

@@ -8,6 +8,7 @@ plus one rounding to the stored dtype (``reference.assert_close``).
 import copy
 import importlib
 import math
+import pickle
 
 import pytest
 import torch
@@ -438,6 +439,7 @@ def test_lr_scheduler_and_closure():
     (dict(lr=float("nan")), "learning rate"),
     (dict(lr=torch.tensor(0.01), foreach=True), "a tensor lr needs fused=True or foreach=False"),  # was at step()
     (dict(lr=torch.tensor([0.01, 0.02])), "a tensor lr must have one element"),
+    (dict(graphs=1), "graphs must be True or False"),
 ])
 def test_bad_hyperparameters(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -620,7 +622,7 @@ def test_sparse_embedding_command_line(tmp_path):
     results = sparse_embedding.main(["--data", str(folder), "--epochs", "1", "--dim", "3", "--batch", "100",
                                      "--device", "cpu", "--out", str(tmp_path / "o.json")])
     assert (tmp_path / "o.json").exists()
-    assert len(results.select(op="movielens MF", metric="test RMSE")) == 4
+    assert len(results.select(op="movielens MF", metric="test RMSE")) == 5  # each optimizer
 
 
 def test_throughput_machinery_on_a_cpu(monkeypatch):
@@ -647,8 +649,8 @@ def test_throughput_machinery_on_a_cpu(monkeypatch):
                   profile=True)
     text = se.throughput_report(results)
     assert len(results.failed) == len(streams) * 2 * 2  # SparseAdam, Adagrad: no graph, either op
-    # per stream: the shared fwd+bwd in every mode, then 4 optimizers x 2 ops eager and host, 2 capturable graph
-    assert timed.count("graph") == len(streams) * (1 + 2 * 2) and timed.count("eager") == len(streams) * (1 + 4 * 2)
+    # per stream: the shared fwd+bwd in every mode, then 5 optimizers x 2 ops eager and host, 3 capturable graph
+    assert timed.count("graph") == len(streams) * (1 + 3 * 2) and timed.count("eager") == len(streams) * (1 + 5 * 2)
     assert timed.count("host") == timed.count("eager")
     assert results.value(op="fwd+bwd+step", provider="SparseAdam", shape="uniform, 500 x 16", mode="host") == 2.0
     assert len(tables) == len(streams)  # --profile: SparseAdamW's kernels on each stream
@@ -821,3 +823,104 @@ def test_the_update_op_compiles_and_matches_eager():
     torch.compile(update, fullgraph=True)(*compiled)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_graphs_leave_cpu_parameters_to_the_eager_update_and_survive_pickling():
+    batches = [torch.randint(0, 40, (64,)) for _ in range(4)]
+    ref, emb = embedding(40, 8, "cpu", torch.float32), embedding(40, 8, "cpu", torch.float32)
+    emb.load_state_dict(ref.state_dict())
+    train(ref, SparseAdamW(ref.parameters(), **HP), batches)
+    opt = SparseAdamW(emb.parameters(), graphs=True, **HP)
+    train(emb, opt, batches[:2])
+    opt = pickle.loads(pickle.dumps(opt))  # what it keeps about graphs is not pickled, and rebuilt
+    opt.param_groups[0]["params"] = [emb.weight]
+    opt.state = {emb.weight: opt.state[next(iter(opt.state))]}
+    train(emb, opt, batches[2:])
+    assert not opt._graphs and torch.equal(emb.weight, ref.weight)
+
+
+def graphed_and_eager(batches, change=lambda step, opt: None, dim=64, rows=3000):
+    """(eager embedding, graphed embedding, graphed optimizer) after training both on ``batches``,
+    ``change(step, opt)`` applied to both optimizers before each step; both agree after every step."""
+    ref, emb = embedding(rows, dim, "cuda", torch.float32), embedding(rows, dim, "cuda", torch.float32)
+    emb.load_state_dict(ref.state_dict())
+    ref_opt, opt = SparseAdamW(ref.parameters(), **HP), SparseAdamW(emb.parameters(), graphs=True, **HP)
+    for i, idx in enumerate(batches):
+        change(i, ref_opt)
+        change(i, opt)
+        train(ref, ref_opt, [idx])
+        train(emb, opt, [idx])
+        torch.cuda.synchronize()
+        assert torch.equal(emb.weight, ref.weight), f"step {i + 1}"
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[emb.weight][name], ref_opt.state[ref.weight][name]), (i, name)
+    return ref, emb, opt
+
+
+@pytest.mark.gpu
+def test_graphed_updates_equal_eager_updates_bit_for_bit():
+    # Steps 1 and 2 are eager (the second captures), later ones replay; a new lr at step 5 runs eagerly and
+    # captures again at step 6: every step's parameters and state are the eager optimizer's, bit for bit.
+    batches = [zipf_ids(1.1, 3000, 4096) for _ in range(8)]
+    captures = []
+
+    def new_lr(step, opt):
+        if step == 4:
+            opt.param_groups[0]["lr"] = 0.01
+        if opt.defaults["graphs"]:
+            captures.append(len(opt._graphs))  # graphs held before each step
+
+    _, emb, opt = graphed_and_eager(batches, new_lr)
+    assert captures == [0, 0, 1, 1, 1, 0, 1, 1] and len(opt._graphs) == 1  # replays happened
+
+
+@pytest.mark.gpu
+def test_a_graphed_update_recaptures_after_the_state_is_replaced():
+    # load_state_dict makes new state tensors: the captured graph's addresses are stale, so it is dropped.
+    batches = [zipf_ids(1.1, 3000, 4096) for _ in range(7)]
+
+    def reload(step, opt):
+        if step == 4:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+    _, _, opt = graphed_and_eager(batches, reload)
+    assert len(opt._graphs) == 1
+
+
+@pytest.mark.gpu
+def test_a_graphed_update_bumps_the_weights_version():
+    emb = embedding(100, 16, "cuda", torch.float32)
+    opt = SparseAdamW(emb.parameters(), graphs=True, lr=0.1)
+    idx = torch.tensor([1, 2, 2, 7], device="cuda")
+    for _ in range(3):
+        train(emb, opt, [idx])
+    assert len(opt._graphs) == 1
+    emb(idx).sum().backward()
+    saved = emb.weight.pow(2).sum()
+    opt.step()  # a replay
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+
+@pytest.mark.gpu
+def test_graphs_inside_a_callers_capture_take_the_plain_path():
+    # The caller captures whole training steps: the optimizer captures nothing of its own inside.
+    batches = [zipf_ids(1.1, 500, 2050) for _ in range(4)]
+    ref, emb = embedding(500, 32, "cuda", torch.float32), embedding(500, 32, "cuda", torch.float32)
+    emb.load_state_dict(ref.state_dict())
+    train(ref, SparseAdamW(ref.parameters(), **HP), batches)
+    opt = SparseAdamW(emb.parameters(), graphs=True, **HP)
+    static_idx = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        train(emb, opt, [static_idx])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train(emb, opt, [static_idx])
+    for idx in batches[1:]:
+        static_idx.copy_(idx)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert not opt._graphs and torch.equal(emb.weight, ref.weight)

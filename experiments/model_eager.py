@@ -4,13 +4,15 @@ stock against patched by ``fuse_linear_relu``, with where the GPU waits.
 For each size x tokens x task (``infer``: forward under no_grad; ``train``: forward, loss,
 backward) x variant x mode (eager, or a torch.compile mode), bf16 parameters, rows of:
 
-    ms            wall time per step, synchronized (harness ``wall`` mode); the variants are timed
-                  in ``--rounds`` alternating rounds, each quantile the median round's
+    ms            wall time per step, synchronized (harness ``wall`` mode)
     host ms       time to enqueue one step, never synchronized (eager only; ``host`` mode)
     GPU busy ms   union of the GPU's kernel/copy intervals per step (profiler trace, ``--trace``;
                   profiled steps run slower, so these are measured after all the timing)
     GPU idle ms   the step's GPU span minus its busy time: time the GPU waited for the host
     syncs/step    calls that synchronized the host with the GPU (``torch.cuda.set_sync_debug_mode``)
+
+The variants of a configuration are built together and timed (``ms``, ``host ms``) in ``--rounds``
+alternating rounds, each quantile the median round's.
 
 ``--trace`` also prints, per variant, the kernels that most often start after a GPU gap of
 more than 20 us (the launch the GPU waited for) and ``--syncs`` the Python stack of every
@@ -88,19 +90,23 @@ def run(args) -> harness.Results:
                                    **common)
                     continue
                 results.record(metric="first call s", value=first_s, provider=variant, **common)
-            walls = {variant: [] for variant in steps}
-            for r in range(args.rounds):
-                for variant in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-                    walls[variant].append(harness.time_call(steps[variant], "wall", iters=args.iters,
-                                                            warmup_iters=args.warmup))
-            for variant, rounds in walls.items():
-                results.record(metric="ms", value=_median_timing(rounds), rounds=[t.p50 for t in rounds],
+            plan = [("ms", "wall")] + ([("host ms", "host")] if mode == "eager" else [])
+            timings = {(metric, variant): [] for metric, _ in plan for variant in steps}
+            try:
+                for metric, timing_mode in plan:
+                    for r in range(args.rounds):
+                        for variant in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                            timings[metric, variant].append(harness.time_call(
+                                steps[variant], timing_mode, iters=args.iters, warmup_iters=args.warmup))
+            except torch.OutOfMemoryError as e:  # all variants are resident together: none is timed alone
+                for variant in steps:
+                    results.record(metric="failed", value=1, provider=variant, **common,
+                                   error=f"out of memory while timing {', '.join(steps)} together: {str(e)[:200]}")
+                continue
+            for (metric, variant), rounds in timings.items():
+                results.record(metric=metric, value=_median_timing(rounds), rounds=[t.p50 for t in rounds],
                                provider=variant, **common)
                 timed.add((size, (batch, seq), task, mode, variant))
-            if mode == "eager":
-                for variant in steps:
-                    results.record(metric="host ms", value=harness.time_call(steps[variant], "host", iters=args.iters),
-                                   provider=variant, **common)
     if cuda and (args.trace or args.syncs):
         for size, (batch, seq), task, mode in groups:
             for variant in args.variants:

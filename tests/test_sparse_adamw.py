@@ -836,13 +836,38 @@ def test_graphs_leave_cpu_parameters_to_the_eager_update_and_survive_pickling():
     opt.param_groups[0]["params"] = [emb.weight]
     opt.state = {emb.weight: opt.state[next(iter(opt.state))]}
     train(emb, opt, batches[2:])
-    assert not opt._graphs and torch.equal(emb.weight, ref.weight)
+    assert not any(opt._graphs.values()) and torch.equal(emb.weight, ref.weight)
 
 
-def graphed_and_eager(batches, change=lambda step, opt: None, dim=64, rows=3000):
-    """(eager embedding, graphed embedding, graphed optimizer) after training both on ``batches``,
-    ``change(step, opt)`` applied to both optimizers before each step; both agree after every step."""
-    ref, emb = embedding(rows, dim, "cuda", torch.float32), embedding(rows, dim, "cuda", torch.float32)
+@pytest.fixture
+def graph_calls(monkeypatch):
+    """The graphed updates' captures and replays, in order."""
+    from fuselab.optim import sparse_adamw as optim_module
+
+    calls, graphed = [], optim_module._GraphedUpdate
+    capture, replay = graphed.capture.__func__, graphed.replay
+    monkeypatch.setattr(graphed, "capture", classmethod(lambda cls, *a: calls.append("capture") or capture(cls, *a)))
+    monkeypatch.setattr(graphed, "replay", lambda self, *a: calls.append("replay") or replay(self, *a))
+    return calls
+
+
+def test_a_state_dict_saved_before_graphs_existed_loads_and_steps():
+    emb = embedding(10, 4, "cpu", torch.float32)
+    opt = SparseAdamW(emb.parameters(), **HP)
+    train(emb, opt, [torch.tensor([1, 2])])
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        del group["graphs"]
+    opt = SparseAdamW(emb.parameters(), **HP)
+    opt.load_state_dict(saved)
+    train(emb, opt, [torch.tensor([1, 3])])
+    assert opt.param_groups[0]["graphs"] is False
+
+
+def graphed_and_eager(batches, change=lambda step, opt: None, dim=64, rows=3000, dtype=torch.float32):
+    """(graphed embedding, its optimizer) after training it and an eagerly updated twin on ``batches``,
+    ``change(step, opt)`` applied to both optimizers before each step; the twins agree after every step."""
+    ref, emb = embedding(rows, dim, "cuda", dtype), embedding(rows, dim, "cuda", dtype)
     emb.load_state_dict(ref.state_dict())
     ref_opt, opt = SparseAdamW(ref.parameters(), **HP), SparseAdamW(emb.parameters(), graphs=True, **HP)
     for i, idx in enumerate(batches):
@@ -854,50 +879,82 @@ def graphed_and_eager(batches, change=lambda step, opt: None, dim=64, rows=3000)
         assert torch.equal(emb.weight, ref.weight), f"step {i + 1}"
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[emb.weight][name], ref_opt.state[ref.weight][name]), (i, name)
-    return ref, emb, opt
+    return emb, opt
+
+
+REPLAYS_AFTER_A_NEW_KEY_AT_STEP_5 = ["capture"] + ["replay"] * 3 + ["capture"] + ["replay"] * 3  # 8 steps
 
 
 @pytest.mark.gpu
-def test_graphed_updates_equal_eager_updates_bit_for_bit():
-    # Steps 1 and 2 are eager (the second captures), later ones replay; a new lr at step 5 runs eagerly and
-    # captures again at step 6: every step's parameters and state are the eager optimizer's, bit for bit.
-    batches = [zipf_ids(1.1, 3000, 4096) for _ in range(8)]
-    captures = []
-
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_graphed_updates_equal_eager_updates_bit_for_bit(graph_calls, dtype):
+    # Step 1 is eager, step 2 captures, later ones replay; a new lr at step 5 runs eagerly and step 6 captures
+    # again: every step's parameters and state are the eager optimizer's, bit for bit.
     def new_lr(step, opt):
         if step == 4:
             opt.param_groups[0]["lr"] = 0.01
-        if opt.defaults["graphs"]:
-            captures.append(len(opt._graphs))  # graphs held before each step
 
-    _, emb, opt = graphed_and_eager(batches, new_lr)
-    assert captures == [0, 0, 1, 1, 1, 0, 1, 1] and len(opt._graphs) == 1  # replays happened
+    graphed_and_eager([zipf_ids(1.1, 3000, 4096) for _ in range(8)], new_lr, dtype=dtype)
+    assert graph_calls == REPLAYS_AFTER_A_NEW_KEY_AT_STEP_5
 
 
 @pytest.mark.gpu
-def test_a_graphed_update_recaptures_after_the_state_is_replaced():
-    # load_state_dict makes new state tensors: the captured graph's addresses are stale, so it is dropped.
-    batches = [zipf_ids(1.1, 3000, 4096) for _ in range(7)]
+@pytest.mark.parametrize("what", ["state reloaded", "exp_avg replaced", "int64 step"])
+def test_a_graphed_update_never_writes_through_stale_state(graph_calls, what):
+    # New state tensors (a reload, a replaced moment kept alive elsewhere, a step count of another dtype at
+    # perhaps the same address): the captured graph's addresses or dtypes are stale, the step runs eagerly.
+    kept = []
 
-    def reload(step, opt):
-        if step == 4:
+    def replace(step, opt):
+        if step != 4:
+            return
+        state = opt.state[opt.param_groups[0]["params"][0]]
+        if what == "state reloaded":
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        elif what == "exp_avg replaced":
+            kept.append(state["exp_avg"])  # alive: its address is not reused
+            state["exp_avg"] = state["exp_avg"].clone()
+        else:
+            count = int(state["step"].item())
+            del state["step"]
+            state["step"] = torch.tensor(count, dtype=torch.int64, device="cuda")
 
-    _, _, opt = graphed_and_eager(batches, reload)
-    assert len(opt._graphs) == 1
+    graphed_and_eager([zipf_ids(1.1, 3000, 4096) for _ in range(8)], replace)
+    assert graph_calls == REPLAYS_AFTER_A_NEW_KEY_AT_STEP_5
 
 
 @pytest.mark.gpu
-def test_a_graphed_update_bumps_the_weights_version():
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_graphs_of_alternating_lookup_counts_are_kept(graph_calls, side_stream):
+    # Lookup counts A A B B A A (an epoch's short last batch): the graph of A is replayed again after B's.
+    sizes = [4096, 4096, 2048, 2048, 4096, 4096]
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graphed_and_eager([zipf_ids(1.1, 3000, n) for n in sizes])
+        assert torch.cuda.current_stream() == stream
+    assert graph_calls == ["capture", "replay", "capture", "replay", "replay", "replay"]
+
+
+@pytest.mark.gpu
+def test_graphs_leave_float64_parameters_to_the_eager_update(graph_calls):
+    # PyTorch's float64 update syncs with the host: it is never captured, and the caller's stream stays current.
+    graphed_and_eager([zipf_ids(1.1, 300, 512) for _ in range(3)], dtype=torch.float64)
+    assert graph_calls == [] and torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.gpu
+def test_a_graphed_update_bumps_the_weights_version(graph_calls):
     emb = embedding(100, 16, "cuda", torch.float32)
     opt = SparseAdamW(emb.parameters(), graphs=True, lr=0.1)
     idx = torch.tensor([1, 2, 2, 7], device="cuda")
     for _ in range(3):
         train(emb, opt, [idx])
-    assert len(opt._graphs) == 1
     emb(idx).sum().backward()
     saved = emb.weight.pow(2).sum()
-    opt.step()  # a replay
+    version = emb.weight._version
+    opt.step()
+    assert graph_calls[-1] == "replay" and emb.weight._version > version
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
 
@@ -923,4 +980,4 @@ def test_graphs_inside_a_callers_capture_take_the_plain_path():
         static_idx.copy_(idx)
         graph.replay()
     torch.cuda.synchronize()
-    assert not opt._graphs and torch.equal(emb.weight, ref.weight)
+    assert not any(opt._graphs.values()) and torch.equal(emb.weight, ref.weight)

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -567,3 +568,20 @@ def test_sigterm_to_the_dry_run_launcher_ends_its_interpreter_process(tmp_path):
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(timeout=120) in (130, 143)
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_shipped_configs_belong_to_the_current_kernels():
+    # A kernel (or its configs, pruning, library choices, their timing rule) edited after the sweep makes the
+    # GPU's shipped choices stale: they are ignored and users tune again. Fingerprints as a GPU process
+    # computes them (not under the interpreter, whose configs differ).
+    code = ("import json, importlib; print(json.dumps({k.base_fn.__name__: k.fingerprint for k in ("
+            "importlib.import_module('fuselab.kernels.matmul_relu_triton').matmul_relu_kernel, "
+            "importlib.import_module('fuselab.quant._scaled_gemm').scaled_gemm_kernel)}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    current = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                        check=True).stdout)
+    for path in sorted(_autotune.SHIPPED_CONFIGS_DIR.glob("*.json")):
+        for kernel, entry in json.loads(path.read_text())["kernels"].items():
+            assert entry["fingerprint"] == current[kernel], (
+                f"{path.name}: {kernel} was swept as {entry['fingerprint']}, the kernel is now {current[kernel]}: "
+                "sweep again on that GPU (python -m fuselab.tune --write-configs)")

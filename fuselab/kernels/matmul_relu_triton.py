@@ -95,7 +95,9 @@ def _cublas_gemm(args: dict) -> None:
 
 # A choice the tuner times beside the kernel's configs, as inductor's max-autotune times aten's mm: where
 # cuBLAS (split-K and all) wins, at decode and skinny shapes say, the op runs it; an extra pass over C
-# for the ReLU is the cost of that choice, and it is timed, as is the host's time to issue it (issue_bound).
+# for the ReLU is the cost of that choice, and it is timed, as is the host's time to issue it (issue_bound;
+# the choice serves CUDA graphs too, where host time does not count: a small GEMM may then run a kernel a
+# few microseconds slower than cuBLAS).
 CUBLAS = LibraryChoice("cublas", _cublas_gemm, _cublas_applies)
 
 

@@ -1,11 +1,12 @@
 """SparseAdamW: AdamW for dense gradients, lazy row-wise AdamW for sparse (COO) gradients."""
 import numbers
 import warnings
-from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.adamw import adamw
 
+from fuselab.kernels._runtime import ExecutionPath, execution_path, untraced
 from fuselab.kernels.sparse_adamw import sparse_adamw_update_
 
 
@@ -64,14 +65,17 @@ class SparseAdamW(torch.optim.Optimizer):
     (``coalesce()``, which syncs with the host).
     Complex parameters are updated as (real, imag) pairs, as ``torch.optim.AdamW`` does.
 
-    ``graphs=True`` (CUDA parameters): each sparse parameter's update (the step count, the sort, both
-    kernels) is captured in a CUDA graph of its own at the second consecutive step with the same number
-    of lookups, hyperparameters and state tensors, then replayed, its inputs copied into the graph's
-    buffers first: one graph launch where an eager step issues a dozen calls from the host. A step that
-    changes any of these runs eagerly (a scheduler's new lr each step never captures); a step taken
-    while the caller captures a graph, or under torch.compile, runs as without ``graphs``. The results are
-    bitwise those of the eager update. Each graph holds a copy of the gradient's values and the sort's
-    buffers (for 65,536 lookups of 128 fp32 columns, ~35 MB) until its key changes.
+    ``graphs=True`` (CUDA parameters the fused kernels update): each sparse parameter's update (the step
+    count, the sort, both kernels) is captured in a CUDA graph of its own at the second consecutive step
+    with the same key (number of lookups, hyperparameters, and the device, addresses, dtypes and strides
+    of the parameter, its state and its step count), then replayed for that key, the step's ids and
+    values copied into the graph's buffers first: one graph launch where an eager step issues a dozen
+    calls from the host. A step with a new key runs eagerly (a scheduler's new lr each step never
+    captures); a step taken while the caller captures a graph, or traced (torch.compile), runs as without
+    ``graphs``. The results are bitwise those of the eager update. Up to four graphs are kept per
+    parameter, the least recently used dropped first; each holds a copy of the gradient's values and the
+    sort's buffers (for 65,536 lookups of 128 fp32 columns, ~35 MB). A capture that fails warns and the
+    step runs eagerly; after three failures the parameter is updated eagerly for good.
 
     ``amsgrad`` applies to dense gradients only. Raises ValueError at construction (and in
     ``add_param_group``) for lr, eps or weight_decay < 0, betas that are not two numbers in [0, 1),
@@ -86,9 +90,9 @@ class SparseAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, fused=fused, graphs=graphs)
         _check_hyperparameters(defaults)
-        self._graphs: Dict[torch.Tensor, _GraphedUpdate] = {}  # per parameter: its captured update
+        self._graphs: Dict[torch.Tensor, Dict[tuple, _GraphedUpdate]] = {}  # per parameter, by key
         self._last_key: Dict[torch.Tensor, tuple] = {}  # per parameter: the key of its last eager update
-        self._uncapturable: Set[torch.Tensor] = set()  # parameters whose capture failed: eager from then on
+        self._failed_captures: Dict[torch.Tensor, int] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -168,12 +172,12 @@ class SparseAdamW(torch.optim.Optimizer):
                     values = values.reshape(grad._nnz(), rows[0].shape[1])
                     hyper = (float(group["lr"]), *betas, float(group["eps"]), float(group["weight_decay"]),
                              group["maximize"])
-                    if group["graphs"] and p.is_cuda and not torch.compiler.is_compiling() \
-                            and not torch.cuda.is_current_stream_capturing():
-                        self._graphed_update(p, rows, grad._indices()[0], values, state["step"], hyper)
+                    indices = grad._indices()[0]
+                    if group["graphs"] and _graphable(p, grad, rows, indices, values):
+                        self._graphed_update(p, rows, indices, values, state["step"], hyper)
                     else:
                         state["step"] += 1
-                        sparse_adamw_update_(*rows, grad._indices()[0], values, state["step"], *hyper)
+                        sparse_adamw_update_(*rows, indices, values, state["step"], *hyper)
                 else:
                     for lst, t in zip(dense, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                               state.get("max_exp_avg_sq"), state["step"])):
@@ -191,25 +195,26 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def _graphed_update(self, p: torch.Tensor, rows: list, indices: torch.Tensor, values: torch.Tensor,
                         step: torch.Tensor, hyper: tuple) -> None:
-        """``graphs=True``: replay ``p``'s captured update where its key holds, else update eagerly,
-        capturing when the same key comes a second time in a row."""
-        # What the captured launches baked in: shapes, dtypes, strides, addresses and hyperparameters.
-        key = (tuple(indices.shape), indices.dtype, tuple(values.shape), values.dtype, hyper,
-               *((t.data_ptr(), t.stride()) for t in (*rows, step)))
-        graphed = self._graphs.get(p)
-        if graphed is not None and graphed.key == key:
-            graphed.replay(indices, values, rows)
-            return
-        self._graphs.pop(p, None)
-        if self._last_key.get(p) == key and p not in self._uncapturable:
-            try:
-                graphed = _GraphedUpdate.capture(key, rows, indices, values, step, hyper)
-            except RuntimeError as e:  # nothing ran: the eager update below serves this step and the later ones
-                warnings.warn(f"SparseAdamW(graphs=True): capturing the update of a parameter of shape "
-                              f"{tuple(p.shape)} failed, it is updated eagerly: {e}", RuntimeWarning, stacklevel=3)
-                self._uncapturable.add(p)
-            else:
-                self._graphs[p] = graphed
+        """``graphs=True``: replay ``p``'s captured update for this key, else update eagerly, capturing
+        when the same key comes a second time in a row."""
+        # What the captured launches baked in: device, shapes, dtypes, strides, addresses, hyperparameters.
+        key = (p.device, tuple(indices.shape), indices.dtype, tuple(values.shape), values.dtype, hyper,
+               *((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in (*rows, step)))
+        graphs = self._graphs.setdefault(p, {})
+        with torch.cuda.device(p.device):  # the capture, copies and replay on the parameter's GPU
+            graphed = graphs.pop(key, None)
+            retry = self._failed_captures.get(p, 0) < MAX_FAILED_CAPTURES
+            if graphed is None and self._last_key.get(p) == key and retry:
+                try:
+                    graphed = _GraphedUpdate.capture(rows, indices, values, step, hyper)
+                except RuntimeError as e:  # nothing ran: the eager update below serves this step
+                    self._failed_captures[p] = self._failed_captures.get(p, 0) + 1
+                    warnings.warn(f"SparseAdamW(graphs=True): capturing the update of a parameter of shape "
+                                  f"{tuple(p.shape)} failed, it is updated eagerly: {e}", RuntimeWarning, stacklevel=3)
+            if graphed is not None:
+                graphs[key] = graphed  # the most recent last: the least recently used goes first
+                while len(graphs) > GRAPHS_PER_PARAMETER:
+                    graphs.pop(next(iter(graphs)))
                 graphed.replay(indices, values, rows)
                 return
         self._last_key[p] = key
@@ -218,24 +223,45 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._graphs, self._last_key, self._uncapturable = {}, {}, set()  # not pickled: captured again
+        for group in self.param_groups:  # a state dict saved before the option existed
+            group.setdefault("graphs", False)
+        self._graphs, self._last_key, self._failed_captures = {}, {}, {}  # not pickled: captured again
+
+
+def _graphable(p: torch.Tensor, grad: torch.Tensor, rows: list, indices: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether ``graphs=True`` applies: the fused kernels update ``p`` (CUDA, not float64: PyTorch's update
+    syncs with the host), nothing traces the step, and the caller is not capturing a graph itself."""
+    return (p.is_cuda and execution_path(rows[0]) is ExecutionPath.TRITON and untraced(p, grad, *rows, indices, values)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+# Graphs kept per parameter (a few lookup counts in turn, such as an epoch's last short batch) and the
+# failed captures (an out-of-memory, say) after which a parameter is updated eagerly for good.
+GRAPHS_PER_PARAMETER = 4
+MAX_FAILED_CAPTURES = 3
 
 
 class _GraphedUpdate:
     """One parameter's sparse update captured in a CUDA graph: the step count's increment, then
     ``sparse_adamw_update_`` on static copies of the lookups and values."""
 
-    def __init__(self, key: tuple, graph: "torch.cuda.CUDAGraph", indices: torch.Tensor, values: torch.Tensor):
-        self.key, self.graph, self.indices, self.values = key, graph, indices, values
+    def __init__(self, graph: "torch.cuda.CUDAGraph", indices: torch.Tensor, values: torch.Tensor):
+        self.graph, self.indices, self.values = graph, indices, values
 
     @classmethod
-    def capture(cls, key, rows, indices, values, step, hyper) -> "_GraphedUpdate":
+    def capture(cls, rows, indices, values, step, hyper) -> "_GraphedUpdate":
+        """Capture on the current device (a stream of its own); the caller's stream is current again after,
+        whether the capture succeeds or not."""
         static_indices, static_values = indices.clone(), values.contiguous().clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records only: replay() runs it
-            step += 1
-            sparse_adamw_update_(*rows, static_indices, static_values, step, *hyper)
-        return cls(key, graph, static_indices, static_values)
+        graph, caller = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+        try:
+            # thread_local: another thread's CUDA calls (a DataLoader's pinned-memory thread) are not in it
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+                step += 1  # recorded, not run: replay() runs it
+                sparse_adamw_update_(*rows, static_indices, static_values, step, *hyper)
+        finally:
+            torch.cuda.set_stream(caller)
+        return cls(graph, static_indices, static_values)
 
     def replay(self, indices: torch.Tensor, values: torch.Tensor, rows: list) -> None:
         self.indices.copy_(indices)

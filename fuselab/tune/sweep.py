@@ -59,7 +59,8 @@ def short_name(config: triton.Config) -> str:
 def measure(fn: Callable[[], object], mode: str, warmup_ms: float, rep_ms: float,
             config: Optional[triton.Config] = None) -> Tuple[float, float, float]:
     """(p20, p50, p80) milliseconds of ``fn()``: ``eager`` by do_bench, ``wall`` one call, synchronized.
-    ``config``: the choice ``fn`` runs, timed by the tuner's rule (``issue_bound``: a library call's host time)."""
+    ``config``: the choice ``fn`` runs, timed by the tuner's rule (``issue_bound``: a library call's host time);
+    the baselines (no ``config``) are GPU time alone, the reference a kernel's speed is judged against."""
     if mode == "eager":
         timings = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
         return tuple(_autotune.issue_bound(config, fn, timings) if config is not None else timings)

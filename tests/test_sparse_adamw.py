@@ -666,6 +666,24 @@ def test_throughput_machinery_on_a_cpu(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
+def train_in_a_cuda_graph(emb, opt, batches, head=None):
+    """A training step on ``batches[0]`` warmed up on a side stream (compilation, state allocation, the
+    step moved to the GPU), captured, then replayed on each later batch copied into its ids."""
+    static_idx = batches[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        train(emb, opt, [static_idx], head)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train(emb, opt, [static_idx], head)
+    for idx in batches[1:]:
+        static_idx.copy_(idx)
+        graph.replay()
+    torch.cuda.synchronize()
+
+
 def zipf_ids(s, rows, n, device="cuda"):
     ranks = torch.multinomial(torch.arange(1, rows + 1, device=device, dtype=torch.float64).pow(-s), n,
                               replacement=True)
@@ -746,19 +764,7 @@ def test_training_step_captured_in_cuda_graph(ids):
     batches = [make() for _ in range(6)]
     train(ref, SparseAdamW(ref.parameters(), **HP), batches)
     opt = SparseAdamW(emb.parameters(), **HP)
-    static_idx = batches[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compilation, state allocation, the step moved to the GPU
-        train(emb, opt, [static_idx])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        train(emb, opt, [static_idx])
-    for idx in batches[1:]:
-        static_idx.copy_(idx)
-        graph.replay()
-    torch.cuda.synchronize()
+    train_in_a_cuda_graph(emb, opt, batches)
     assert opt.state[emb.weight]["step"].item() == len(batches)
     assert torch.equal(emb.weight, ref.weight)  # deterministic: the graph runs the same kernels on the same ids
 
@@ -772,19 +778,7 @@ def test_sparse_and_fused_dense_step_captured_in_cuda_graph():
     batches = [zipf_ids(1.1, 500, 2050) for _ in range(5)]
     train(ref_emb, SparseAdamW([*ref_emb.parameters(), *ref_head.parameters()], fused=True, **HP), batches, ref_head)
     opt = SparseAdamW([*emb.parameters(), *head.parameters()], fused=True, **HP)
-    static_idx = batches[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        train(emb, opt, [static_idx], head)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        train(emb, opt, [static_idx], head)
-    for idx in batches[1:]:
-        static_idx.copy_(idx)
-        graph.replay()
-    torch.cuda.synchronize()
+    train_in_a_cuda_graph(emb, opt, batches, head)
     # cuBLAS may pick another algorithm under capture: the head's GEMMs agree to rounding, not bitwise
     torch.testing.assert_close(head.weight, ref_head.weight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(emb.weight, ref_emb.weight, rtol=1e-5, atol=1e-6)
@@ -967,17 +961,5 @@ def test_graphs_inside_a_callers_capture_take_the_plain_path():
     emb.load_state_dict(ref.state_dict())
     train(ref, SparseAdamW(ref.parameters(), **HP), batches)
     opt = SparseAdamW(emb.parameters(), graphs=True, **HP)
-    static_idx = batches[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        train(emb, opt, [static_idx])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        train(emb, opt, [static_idx])
-    for idx in batches[1:]:
-        static_idx.copy_(idx)
-        graph.replay()
-    torch.cuda.synchronize()
+    train_in_a_cuda_graph(emb, opt, batches)
     assert not any(opt._graphs.values()) and torch.equal(emb.weight, ref.weight)

@@ -108,7 +108,7 @@ DENSE = {"AdamW (dense, fused)"}  # its embeddings are dense (sparse=False)
 # batch), which bounds an eager step from below wherever the GPU finishes first
 TIMED_MODES = ("eager", "graph", "host")
 NO_STEP = "fwd+bwd only"  # the sparse forward and backward with no optimizer step: the shared floor
-# the others coalesce(): a host sync, no CUDA graph
+# the optimizers whose steps a CUDA graph can capture (SparseAdam and Adagrad coalesce(): a host sync)
 CAPTURABLE = {"SparseAdamW", "SparseAdamW (graphs)", "AdamW (dense, fused)"}
 NOT_CAPTURABLE = "coalesce() waits for the host: the step cannot be captured in a CUDA graph"
 

@@ -63,7 +63,7 @@ def measure(fn: Callable[[], object], mode: str, warmup_ms: float, rep_ms: float
     the baselines (no ``config``) are GPU time alone, the reference a kernel's speed is judged against."""
     if mode == "eager":
         timings = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
-        return tuple(_autotune.issue_bound(config, fn, timings) if config is not None else timings)
+        return tuple(_autotune.issue_bound(config, fn, timings))
     t0 = time.perf_counter()
     fn()
     if torch.cuda.is_available():

@@ -26,6 +26,7 @@ import argparse
 import collections
 import itertools
 import math
+import statistics
 import sys
 import time
 import traceback
@@ -112,6 +113,23 @@ def time_call(fn: Callable[[], object], mode: str = "eager", *, warmup_ms: float
         samples.append((time.perf_counter() - t0) * 1e3 / batch)
         sync()
     return Timing.of(samples)
+
+
+def time_alternating(fns: Dict[str, Callable[[], object]], mode: str, rounds: int,
+                     **time_kwargs) -> Dict[str, Tuple[Timing, List[float]]]:
+    """``time_call`` of each of ``fns`` in ``rounds`` rounds, taking turns (the order reversed every
+    other round): name -> (each quantile's median over the rounds, every round's p50). These hosts
+    drift by 10-40% within seconds, so peers timed one after another would compare drifts; timed in
+    turns, they share them."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(fns)
+    per_round: Dict[str, List[Timing]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            per_round[name].append(time_call(fns[name], mode, **time_kwargs))
+    return {name: (Timing(*(statistics.median(getattr(t, q) for t in ts) for q in ("p20", "p50", "p80"))),
+                   [t.p50 for t in ts]) for name, ts in per_round.items()}
 
 
 def cycle(fn: Callable, arg_sets: Sequence[tuple]) -> Callable[[], object]:

@@ -11,8 +11,10 @@ backward) x variant x mode (eager, or a torch.compile mode), bf16 parameters, ro
     GPU idle ms   the step's GPU span minus its busy time: time the GPU waited for the host
     syncs/step    calls that synchronized the host with the GPU (``torch.cuda.set_sync_debug_mode``)
 
-The variants of a configuration are built together and timed (``ms``, ``host ms``) in ``--rounds``
-alternating rounds, each quantile the median round's.
+The variants of a configuration are built together and timed (``ms``, ``host ms``) in turns
+(``harness.time_alternating``): ``--rounds`` short rounds of ``--iters`` steps each, each quantile the
+median round's. Rounds are short because the host's drift has phases of a second or so: rounds of ten
+steps can land a variant's rounds in one phase and its peer's in another.
 
 ``--trace`` also prints, per variant, the kernels that most often start after a GPU gap of
 more than 20 us (the launch the GPU waited for) and ``--syncs`` the Python stack of every
@@ -24,7 +26,6 @@ synchronizing call of one step.
 """
 import argparse
 import contextlib
-import statistics
 import time
 
 import torch
@@ -91,22 +92,19 @@ def run(args) -> harness.Results:
                     continue
                 results.record(metric="first call s", value=first_s, provider=variant, **common)
             plan = [("ms", "wall")] + ([("host ms", "host")] if mode == "eager" else [])
-            timings = {(metric, variant): [] for metric, _ in plan for variant in steps}
             try:
-                for metric, timing_mode in plan:
-                    for r in range(args.rounds):
-                        for variant in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-                            timings[metric, variant].append(harness.time_call(
-                                steps[variant], timing_mode, iters=args.iters, warmup_iters=args.warmup))
+                timings = {metric: harness.time_alternating(steps, timing_mode, args.rounds, iters=args.iters,
+                                                            warmup_iters=args.warmup)
+                           for metric, timing_mode in plan}
             except torch.OutOfMemoryError as e:  # all variants are resident together: none is timed alone
                 for variant in steps:
                     results.record(metric="failed", value=1, provider=variant, **common,
                                    error=f"out of memory while timing {', '.join(steps)} together: {str(e)[:200]}")
                 continue
-            for (metric, variant), rounds in timings.items():
-                results.record(metric=metric, value=_median_timing(rounds), rounds=[t.p50 for t in rounds],
-                               provider=variant, **common)
-                timed.add((size, (batch, seq), task, mode, variant))
+            for metric, by_variant in timings.items():
+                for variant, (timing, rounds) in by_variant.items():
+                    results.record(metric=metric, value=timing, rounds=rounds, provider=variant, **common)
+                    timed.add((size, (batch, seq), task, mode, variant))
     if cuda and (args.trace or args.syncs):
         for size, (batch, seq), task, mode in groups:
             for variant in args.variants:
@@ -127,11 +125,6 @@ def run(args) -> harness.Results:
                             print(f"--- {keys['shape']} {task} {variant}: synchronizing call {i + 1} of {count}\n"
                                   f"{stack}")
     return results
-
-
-def _median_timing(rounds) -> harness.Timing:
-    """Each quantile's median over the rounds."""
-    return harness.Timing(*(statistics.median(getattr(t, q) for t in rounds) for q in ("p20", "p50", "p80")))
 
 
 @contextlib.contextmanager
@@ -203,9 +196,9 @@ def main(argv=None):
     p.add_argument("--modes", type=choice_list(MODES), default=["eager"])
     p.add_argument("--variants", type=choice_list(("stock", "fuselab", "fuselab-python", "norelu")),
                    default=["stock", "fuselab"], help="fuselab-python: patched, the C++ eager path off")
-    p.add_argument("--iters", type=harness.positive_int, default=10, help="synchronized steps a round")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=harness.positive_int, default=5,
+    p.add_argument("--iters", type=harness.positive_int, default=2, help="synchronized steps a round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before a round's")
+    p.add_argument("--rounds", type=harness.positive_int, default=20,
                    help="rounds of --iters steps of each variant, alternating (each quantile: its median round)")
     p.add_argument("--trace", action="store_true", help="GPU busy/idle time per step from a profiler trace")
     p.add_argument("--syncs", action="store_true", help="print the stack of every synchronizing call of a step")

@@ -16,7 +16,8 @@
    graph's, the eager step waits for the host), for SparseAdamW, SparseAdamW (graphs) (``graphs=True``: each
    parameter's update replayed from a graph the optimizer captures itself, in an eager step), SparseAdam
    (the baseline), fused dense AdamW and sparse Adagrad, beside the forward and sparse backward alone
-   (provider ``fwd+bwd only``: the part of a step no optimizer can shorten); peak memory; each optimizer's
+   (provider ``fwd+bwd only``: the part of a step no optimizer can shorten), all timed in turns; peak memory
+   (each optimizer's table, state and step: the others' left out); each optimizer's
    step alone, and SparseAdamW's against its bytes floor (gradient rows and ids read once, p, m, v of the
    touched rows read and written once, at the measured copy bandwidth). SparseAdam and Adagrad
    ``coalesce()`` the gradient, which waits for the host: they cannot be captured in a graph, and those
@@ -63,7 +64,7 @@ from experiments.harness import (
     require_cuda,
     sync,
     synchronizing_calls,
-    time_call,
+    time_alternating,
     timeline_summary,
 )
 from fuselab.optim import SparseAdamW
@@ -107,6 +108,7 @@ DENSE = {"AdamW (dense, fused)"}  # its embeddings are dense (sparse=False)
 # eager and graph as everywhere, and host: the time to enqueue a step (batches of steps, no sync inside a
 # batch), which bounds an eager step from below wherever the GPU finishes first
 TIMED_MODES = ("eager", "graph", "host")
+ROUNDS = 5  # turns each provider is timed in (harness.time_alternating)
 NO_STEP = "fwd+bwd only"  # the sparse forward and backward with no optimizer step: the shared floor
 # the optimizers whose steps a CUDA graph can capture (SparseAdam and Adagrad coalesce(): a host sync)
 CAPTURABLE = {"SparseAdamW", "SparseAdamW (graphs)", "AdamW (dense, fused)"}
@@ -299,68 +301,71 @@ def step_diagnosis(step: Callable[[], object], steps: int = 20) -> str:
 
 
 def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, results: Results, rep_ms: float,
-                   bandwidth: float) -> None:
-    """Every optimizer on one stream: fwd+bwd+step and the step alone, eager and graph, peak memory."""
+                   bandwidth: float, rounds: int = ROUNDS) -> None:
+    """Every optimizer on one stream: fwd+bwd+step and the step alone, eager and graph, peak memory.
+    All are built first, then timed in turns (``time_alternating``, ``rounds`` rounds of ``rep_ms /
+    rounds``): one after another, they would compare the host's drift as much as the optimizers."""
     device = batches.device
+    cuda = device.type == "cuda"
     shape = f"{name}, {rows:,} x {dim}"
     stats = [floor_bytes(b, dim) for b in batches]
     ids_keys = dict(op="ids", provider="ids", shape=shape, dtype="int64", mode="n/a")
     results.record(metric="rows touched", value=sum(s[1] for s in stats) / len(stats), **ids_keys)
     results.record(metric="max lookups of one row", value=max(s[2] for s in stats), **ids_keys)
     # What the sparse optimizers share, forward and sparse backward alone: the rest of a step is theirs.
-    emb = torch.nn.Embedding(rows, dim, sparse=True, device=device)
+    shared_emb = torch.nn.Embedding(rows, dim, sparse=True, device=device)
 
-    def fwd_bwd(ids, emb=emb):
+    def fwd_bwd(ids, emb=shared_emb):
         emb.weight.grad = None
         emb(ids).square().sum().backward()
 
-    shared = cycle(fwd_bwd, [(b,) for b in batches])
-    shared()
-    for mode in TIMED_MODES:
-        results.record(op="fwd+bwd+step", provider=NO_STEP, shape=shape, dtype="fp32", mode=mode, metric="ms",
-                       value=time_call(shared, mode, rep_ms=rep_ms))
-    del emb, shared
+    steps = {NO_STEP: cycle(fwd_bwd, [(b,) for b in batches])}
+    optimizers = {}
     for provider, make in OPTIMIZERS.select(None).items():
+        held = torch.cuda.memory_allocated() if cuda else 0
         emb = torch.nn.Embedding(rows, dim, sparse=provider not in DENSE, device=device)
         opt = make(emb.parameters(), device)
-
         train_step = training_step(emb, opt)
-        step = cycle(train_step, [(b,) for b in batches])
-        step()  # compile, allocate the state
+        steps[provider] = cycle(train_step, [(b,) for b in batches])
+        steps[provider]()  # compile, allocate the state
         sync(device)
-        keys = dict(provider=provider, shape=shape, dtype="fp32")
-        if device.type == "cuda":
+        optimizers[provider] = (train_step, opt)
+        if cuda:  # this optimizer's table, state and step at their peak: what the others hold is left out
             torch.cuda.reset_peak_memory_stats()
-            step()
+            steps[provider]()
             sync(device)
-            results.record(op="fwd+bwd+step", mode="eager", metric="peak MiB", value=peak_memory_mib(), **keys)
-        for op, fn in (("fwd+bwd+step", step), ("step", opt.step)):
-            if op == "step":
-                train_step(batches[0])  # the gradient the step alone applies, again and again
-            for mode in TIMED_MODES:
-                if mode == "graph" and provider not in CAPTURABLE:
-                    results.fail(op=op, mode=mode, error=NOT_CAPTURABLE, **keys)
-                    continue
-                timing = time_call(fn, mode, rep_ms=rep_ms)
-                results.record(op=op, mode=mode, metric="ms", value=timing, **keys)
+            results.record(op="fwd+bwd+step", provider=provider, shape=shape, dtype="fp32", mode="eager",
+                           metric="peak MiB", value=peak_memory_mib() - held / 2**20)
+    for op in ("fwd+bwd+step", "step"):
+        if op == "step":  # the step alone applies one gradient, again and again
+            steps = {provider: opt.step for provider, (train_step, opt) in optimizers.items()}
+            for train_step, _ in optimizers.values():
+                train_step(batches[0])
+        for mode in TIMED_MODES:
+            timed = {p: fn for p, fn in steps.items() if mode != "graph" or p == NO_STEP or p in CAPTURABLE}
+            for provider in [p for p in steps if p not in timed]:
+                results.fail(op=op, mode=mode, error=NOT_CAPTURABLE, provider=provider, shape=shape, dtype="fp32")
+            for provider, (timing, per_round) in time_alternating(timed, mode, rounds, rep_ms=rep_ms / rounds).items():
+                keys = dict(op=op, mode=mode, provider=provider, shape=shape, dtype="fp32")
+                results.record(metric="ms", value=timing, rounds=per_round, **keys)
                 if op == "step" and provider == "SparseAdamW" and mode != "host":
                     floor_ms = stats[0][0] / (bandwidth * 1e9) * 1e3
-                    results.record(op=op, mode=mode, metric="x floor", value=timing.converted(1 / floor_ms), **keys)
-        del emb, opt, step
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+                    results.record(metric="x floor", value=timing.converted(1 / floor_ms), **keys)
+    del shared_emb, steps, optimizers
+    if cuda:
+        torch.cuda.empty_cache()
     floor_keys = dict(op="step", provider="bytes floor", shape=shape, dtype="fp32", mode="floor")
     results.record(metric="ms", value=stats[0][0] / (bandwidth * 1e9) * 1e3, copy_gbs=bandwidth, **floor_keys)
     results.record(metric="MB", value=stats[0][0] / 1e6, **floor_keys)
 
 
 def throughput(names: Sequence[str], batches: int, ratings, tokens, results: Results, rep_ms: float,
-               device="cuda", profile: bool = False) -> None:
+               device="cuda", profile: bool = False, rounds: int = ROUNDS) -> None:
     bandwidth = copy_bandwidth_gbs()
     streams = id_streams(names, batches, ratings, tokens, device)
     for name, (rows, dim, ids) in streams.items():
         print(f"{name}: {rows:,} x {dim}, {ids.shape[0]} batches of {LOOKUPS:,} lookups", flush=True)
-        measure_stream(name, rows, dim, ids, results, rep_ms, bandwidth)
+        measure_stream(name, rows, dim, ids, results, rep_ms, bandwidth, rounds)
     if profile:  # after all the timing: a profiler session slows every later launch in its process
         for name, (rows, dim, ids) in streams.items():
             profile_stream(name, rows, dim, ids)

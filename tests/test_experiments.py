@@ -83,6 +83,22 @@ def test_time_call_on_a_cpu():
     assert torch.equal(x.grad, torch.full((3,), 2.0))
 
 
+def test_time_alternating_takes_turns_and_reports_the_median_round(monkeypatch):
+    order, clock = [], iter([5.0, 1.0, 2.0, 9.0, 3.0, 4.0])  # a's and b's rounds: a 5 9 3, b 1 2 4
+
+    def fake_time_call(fn, mode, **kw):
+        fn()
+        t = next(clock)
+        return Timing(t - 1, t, t + 1)
+
+    monkeypatch.setattr(harness, "time_call", fake_time_call)
+    got = harness.time_alternating({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, "wall", 3)
+    assert order == ["a", "b", "b", "a", "a", "b"]  # every other round reversed: neither always goes first
+    assert got["a"] == (Timing(4.0, 5.0, 6.0), [5.0, 9.0, 3.0]) and got["b"] == (Timing(1.0, 2.0, 3.0), [1.0, 2.0, 4.0])
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        harness.time_alternating({"a": lambda: None}, "wall", 0)
+
+
 def test_rotating_inputs_exceed_the_budget_and_cycle():
     sets = harness.rotating(lambda: (torch.empty(256),), min_bytes=4096)  # 1 KiB a set
     assert len(sets) == 4 and len({s[0].data_ptr() for s in sets}) == 4

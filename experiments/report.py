@@ -311,8 +311,11 @@ and the step alone over id streams of 65,536 lookups a step: uniform, Zipf s = 1
 ids identical (1,000,000 x 128 fp32 tables), GPT-2 BPE ids of the Python docs through a 50,257 x 768
 table, and MovieLens-100k's user and item ids; eager and replayed from a CUDA graph (SparseAdam and
 Adagrad cannot be captured: their `coalesce()` waits for the host); SparseAdamW's step against the
-bytes it must move (`x floor`). Rows converted from before the sort-and-segment kernels say so in
-their run's note. See `experiments/sparse_embedding.py` for the exact setup.""",
+bytes it must move (`x floor`). Since commit 4cee885 every optimizer of a stream is built first and
+all are timed in turns (5 rounds, each quantile the median round's: these hosts drift within seconds),
+and `peak MiB` is each optimizer's own table, state and step; earlier peaks also held the previously
+measured optimizer's. Rows converted from before the sort-and-segment kernels say so in their run's
+note. See `experiments/sparse_embedding.py` for the exact setup.""",
         command="python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results"),
     "model_eager": Spec(
         title="Patched OPT decoders in eager mode: stock vs fuselab's C++ and Python paths",
@@ -321,16 +324,18 @@ transformers' OPT decoders (random init, bf16, the three sizes' shapes) as users
 a time: `infer` is a forward under no_grad, `train` a forward, loss and backward. Providers: `stock`
 (the baseline), `fuselab` (patched by `fuse_linear_relu`: the fused layers' eager calls take the C++
 path, `fuselab.kernels.eager_path`) and `fuselab-python` (the same model with the C++ path off: a
-Python autograd.Function and launch plans). `ms` is the synchronized wall time per step (p50 of the
-timed steps; since commit b628f61 the variants of a configuration are built together and timed in
-alternating rounds, each quantile the median round's), `host ms` the time to enqueue one step without
-synchronizing, `first call s` the first step (autotuning included; in a process's first patched
-configuration also the C++ path's one-time build). Eager mode is host-bound at 1 x 128 tokens, and these
-hosts drift by 10-40% within seconds: rows timed before the rounds (one variant after the other, a
-model built for each) compare drifts as much as variants, and their `x stock` moved between 0.58x and
-1.08x from run to run at 1 x 128. A training step's GPU time also depends on the backward GEMMs' kernels.""",
-        command="python -m experiments.model_eager --sizes opt-125m,opt-350m,opt-1.3b --tokens 1x128,8x1024 "
-                "--variants stock,fuselab,fuselab-python --results",
+Python autograd.Function and launch plans). `ms` is the synchronized wall time per step, `host ms` the
+time to enqueue one step without synchronizing; the variants of a configuration are built together and
+timed in turns (`harness.time_alternating`: since commit 4cee885 20 rounds of 2 steps, each quantile
+the median round's). `first call s` is the first step (autotuning included; in a process's first
+patched configuration also the C++ path's one-time build). Eager mode is host-bound at 1 x 128 tokens,
+and these hosts drift by 10-40% in phases of a second or so: timed one variant after the other, or in
+rounds of 10 steps (commits b628f61 to 4cee885), a variant's rounds could fall in one phase and its
+peer's in another; one such run put opt-1.3b 1x128 infer at 0.60x where turns of 1-2 steps within the
+same hour gave 1.04x-1.14x. Differences of a few percent at 1 x 128 are within the spread of one
+variant's own rounds (`rounds` in the results). A training step's GPU time also depends on the backward
+GEMMs' kernels.""",
+        command="python -m experiments.model_eager --results",
         views=(View("ms", index=("shape", "mode"), split=("op",), title="{op}: ms per step"),
                View("host ms", index=("shape", "mode"), split=("op",), title="{op}: host ms to enqueue a step")),
         orders={"op": ["infer", "train"], "provider": ["stock", "fuselab", "fuselab-python", "norelu"]}),
@@ -758,6 +763,9 @@ def r_dtype(found: Dict[tuple, tuple], shape: str, mode: str) -> str:
     return next(k[1] for k in found if k[0] == shape and k[2] == mode)
 
 
+GRAPHED = "SparseAdamW (graphs)"  # experiments/sparse_embedding.py's provider name for graphs=True
+
+
 def sparse_headline(res: Results) -> Optional[List[str]]:
     """SparseAdamW against SparseAdam, the whole training step on uniform ids (else the file's first stream), per mode;
     SparseAdam cannot be replayed from a CUDA graph (its coalesce() waits for the host), so a mode it
@@ -765,7 +773,7 @@ def sparse_headline(res: Results) -> Optional[List[str]]:
     ops = [op for op, base in res.baselines.items() if base == "SparseAdam"]
     for op in sorted(ops, key=lambda o: (o != "fwd+bwd+step", o != "step")):
         for metric in ("ms", "ms/step"):
-            rows = select(res.rows, op=op, metric=metric, provider=("SparseAdamW", "SparseAdam"))
+            rows = select(res.rows, op=op, metric=metric, provider=("SparseAdamW", "SparseAdam", GRAPHED))
             if not {"SparseAdamW", "SparseAdam"} <= {r["provider"] for r in rows}:
                 continue
             shapes = [r["shape"] for r in rows]  # uniform ids (the issue's stream), else the first measured
@@ -780,6 +788,10 @@ def sparse_headline(res: Results) -> Optional[List[str]]:
                 vs = "" if base["mode"] == mode else f" (vs SparseAdam {base['mode']}: not measured in {mode} mode)"
                 parts.append(f"{base['p50'] / mine['p50']:.2f}x {mode}{vs}")
                 used += [mine, base]
+                graphed = cells.get((GRAPHED, mode)) if mode == "eager" else None
+                if graphed is not None and graphed["p50"]:  # the optimizer's own graphs, in an eager step
+                    parts.append(f"{base['p50'] / graphed['p50']:.2f}x eager with graphs=True")
+                    used.append(graphed)
             if parts:
                 return [f"SparseAdamW vs torch.optim.SparseAdam, {op}, {shape}", "; ".join(parts), _where(res, used)]
     return None

@@ -103,10 +103,11 @@ def time_call(fn: Callable[[], object], mode: str = "eager", *, warmup_ms: float
             sync()
             samples.append((time.perf_counter() - t0) * 1e3)
         return Timing.of(samples)
-    # host: batches of calls, never waiting for the device inside a batch
-    batch = max(1, iters // 10)
+    # host: batches of calls, never waiting for the device inside a batch; iters calls in all (10 batches at most)
+    n_batches = min(10, iters)
+    batch = max(1, iters // n_batches)
     samples = []
-    for _ in range(10):
+    for _ in range(n_batches):
         t0 = time.perf_counter()
         for _ in range(batch):
             fn()

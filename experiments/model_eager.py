@@ -196,9 +196,10 @@ def main(argv=None):
     p.add_argument("--modes", type=choice_list(MODES), default=["eager"])
     p.add_argument("--variants", type=choice_list(("stock", "fuselab", "fuselab-python", "norelu")),
                    default=["stock", "fuselab"], help="fuselab-python: patched, the C++ eager path off")
-    p.add_argument("--iters", type=harness.positive_int, default=2, help="synchronized steps a round")
+    p.add_argument("--iters", type=harness.positive_int, default=3,
+                   help="timed steps a round (an odd count: a round's p50 is one of its steps)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before a round's")
-    p.add_argument("--rounds", type=harness.positive_int, default=20,
+    p.add_argument("--rounds", type=harness.positive_int, default=15,
                    help="rounds of --iters steps of each variant, alternating (each quantile: its median round)")
     p.add_argument("--trace", action="store_true", help="GPU busy/idle time per step from a profiler trace")
     p.add_argument("--syncs", action="store_true", help="print the stack of every synchronizing call of a step")

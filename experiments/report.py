@@ -311,30 +311,34 @@ and the step alone over id streams of 65,536 lookups a step: uniform, Zipf s = 1
 ids identical (1,000,000 x 128 fp32 tables), GPT-2 BPE ids of the Python docs through a 50,257 x 768
 table, and MovieLens-100k's user and item ids; eager and replayed from a CUDA graph (SparseAdam and
 Adagrad cannot be captured: their `coalesce()` waits for the host); SparseAdamW's step against the
-bytes it must move (`x floor`). Since commit 4cee885 every optimizer of a stream is built first and
-all are timed in turns (5 rounds, each quantile the median round's: these hosts drift within seconds),
-and `peak MiB` is each optimizer's own table, state and step; earlier peaks also held the previously
-measured optimizer's. Rows converted from before the sort-and-segment kernels say so in their run's
-note. See `experiments/sparse_embedding.py` for the exact setup.""",
+bytes it must move (`x floor`). Every optimizer of a stream is built first and all are timed in turns
+(`harness.time_alternating`: these hosts drift within seconds; each quantile the median round's, every
+round's p50 in the results' `rounds`); `peak MiB` is each optimizer's own table, state and step.
+`SparseAdamW (graphs)` is `SparseAdamW(graphs=True)`: its update replays graphs it captured itself, so
+its eager step copies the lookups and gradient rows into the graph's buffers first (on the gpt2 stream,
+768 columns, its step alone is slower than plain SparseAdamW's). See `experiments/sparse_embedding.py` for the exact setup.""",
         command="python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results"),
     "model_eager": Spec(
-        title="Patched OPT decoders in eager mode: stock vs fuselab's C++ and Python paths",
+        title="Patched OPT decoders in eager mode: stock vs fuselab",
         prose="""\
 transformers' OPT decoders (random init, bf16, the three sizes' shapes) as users run them, one step at
 a time: `infer` is a forward under no_grad, `train` a forward, loss and backward. Providers: `stock`
 (the baseline), `fuselab` (patched by `fuse_linear_relu`: the fused layers' eager calls take the C++
-path, `fuselab.kernels.eager_path`) and `fuselab-python` (the same model with the C++ path off: a
-Python autograd.Function and launch plans). `ms` is the synchronized wall time per step, `host ms` the
-time to enqueue one step without synchronizing; the variants of a configuration are built together and
-timed in turns (`harness.time_alternating`: since commit 4cee885 20 rounds of 2 steps, each quantile
-the median round's). `first call s` is the first step (autotuning included; in a process's first
-patched configuration also the C++ path's one-time build). Eager mode is host-bound at 1 x 128 tokens,
-and these hosts drift by 10-40% in phases of a second or so: timed one variant after the other, or in
-rounds of 10 steps (commits b628f61 to 4cee885), a variant's rounds could fall in one phase and its
-peer's in another; one such run put opt-1.3b 1x128 infer at 0.60x where turns of 1-2 steps within the
-same hour gave 1.04x-1.14x. Differences of a few percent at 1 x 128 are within the spread of one
-variant's own rounds (`rounds` in the results). A training step's GPU time also depends on the backward
-GEMMs' kernels.""",
+path, `fuselab.kernels.eager_path`) and, with `--variants stock,fuselab,fuselab-python`, the same
+model with the C++ path off (a Python autograd.Function and launch plans). `ms` is the synchronized
+wall time per step, `host ms` the time to enqueue one step without synchronizing; the variants of a
+configuration are built together and timed in turns (`harness.time_alternating`, each quantile the
+median round's, every round's p50 in the results' `rounds`). `first call s` is the first step
+(autotuning included; in a process's first patched configuration also the C++ path's one-time build).
+Eager mode is host-bound at 1 x 128 tokens, and these hosts drift by 10-40% in phases of a second or
+so: timed one variant after the other, or in rounds of 10 steps (commits b628f61 to 4cee885), a
+variant's rounds could fall in one phase and its peer's in another; one such run put opt-1.3b 1x128
+infer at 0.60x where turns of 1-2 steps within the same hour gave 1.04x-1.14x. The rows of commit
+4cee885 took 20 rounds of 2 steps: each round's value is the slower of its two steps (a quantile of two
+samples), `ms` the mean of the middle two rounds' (and `host ms` rounds of 10 enqueued steps); later
+runs take 15 rounds of 3 steps, and `host ms` rounds as long. Differences of a few percent at 1 x 128
+are within the spread of one variant's own rounds. A training step's GPU time also depends on the
+backward GEMMs' kernels.""",
         command="python -m experiments.model_eager --results",
         views=(View("ms", index=("shape", "mode"), split=("op",), title="{op}: ms per step"),
                View("host ms", index=("shape", "mode"), split=("op",), title="{op}: host ms to enqueue a step")),
@@ -767,9 +771,9 @@ GRAPHED = "SparseAdamW (graphs)"  # experiments/sparse_embedding.py's provider n
 
 
 def sparse_headline(res: Results) -> Optional[List[str]]:
-    """SparseAdamW against SparseAdam, the whole training step on uniform ids (else the file's first stream), per mode;
-    SparseAdam cannot be replayed from a CUDA graph (its coalesce() waits for the host), so a mode it
-    lacks is compared with its eager time, and says so."""
+    """SparseAdamW against SparseAdam, the whole training step on uniform ids (else the file's first stream), per mode,
+    and SparseAdamW(graphs=True)'s eager step where measured; SparseAdam cannot be replayed from a CUDA graph (its
+    coalesce() waits for the host), so a mode it lacks is compared with its eager time, and says so."""
     ops = [op for op, base in res.baselines.items() if base == "SparseAdam"]
     for op in sorted(ops, key=lambda o: (o != "fwd+bwd+step", o != "step")):
         for metric in ("ms", "ms/step"):

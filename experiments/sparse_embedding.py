@@ -304,14 +304,28 @@ def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, result
                    bandwidth: float, rounds: int = ROUNDS) -> None:
     """Every optimizer on one stream: fwd+bwd+step and the step alone, eager and graph, peak memory.
     All are built first, then timed in turns (``time_alternating``, ``rounds`` rounds of ``rep_ms /
-    rounds``): one after another, they would compare the host's drift as much as the optimizers."""
+    rounds``): one after another, they would compare the host's drift as much as the optimizers. What
+    runs out of memory is recorded as failed (while timing: every optimizer of that op and mode)."""
     device = batches.device
-    cuda = device.type == "cuda"
     shape = f"{name}, {rows:,} x {dim}"
     stats = [floor_bytes(b, dim) for b in batches]
     ids_keys = dict(op="ids", provider="ids", shape=shape, dtype="int64", mode="n/a")
     results.record(metric="rows touched", value=sum(s[1] for s in stats) / len(stats), **ids_keys)
     results.record(metric="max lookups of one row", value=max(s[2] for s in stats), **ids_keys)
+    try:
+        _time_optimizers(shape, rows, dim, batches, results, rep_ms, stats[0][0] / (bandwidth * 1e9) * 1e3, rounds)
+    finally:  # the tables, states and graphs are gone with _time_optimizers' frame
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    floor_keys = dict(op="step", provider="bytes floor", shape=shape, dtype="fp32", mode="floor")
+    results.record(metric="ms", value=stats[0][0] / (bandwidth * 1e9) * 1e3, copy_gbs=bandwidth, **floor_keys)
+    results.record(metric="MB", value=stats[0][0] / 1e6, **floor_keys)
+
+
+def _time_optimizers(shape: str, rows: int, dim: int, batches: torch.Tensor, results: Results, rep_ms: float,
+                     floor_ms: float, rounds: int) -> None:
+    device = batches.device
+    cuda = device.type == "cuda"
     # What the sparse optimizers share, forward and sparse backward alone: the rest of a step is theirs.
     shared_emb = torch.nn.Embedding(rows, dim, sparse=True, device=device)
 
@@ -322,41 +336,45 @@ def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, result
     steps = {NO_STEP: cycle(fwd_bwd, [(b,) for b in batches])}
     optimizers = {}
     for provider, make in OPTIMIZERS.select(None).items():
+        keys = dict(op="fwd+bwd+step", provider=provider, shape=shape, dtype="fp32", mode="eager")
         held = torch.cuda.memory_allocated() if cuda else 0
-        emb = torch.nn.Embedding(rows, dim, sparse=provider not in DENSE, device=device)
-        opt = make(emb.parameters(), device)
-        train_step = training_step(emb, opt)
-        steps[provider] = cycle(train_step, [(b,) for b in batches])
-        steps[provider]()  # compile, allocate the state
-        sync(device)
-        optimizers[provider] = (train_step, opt)
-        if cuda:  # this optimizer's table, state and step at their peak: what the others hold is left out
-            torch.cuda.reset_peak_memory_stats()
-            steps[provider]()
+        try:
+            emb = torch.nn.Embedding(rows, dim, sparse=provider not in DENSE, device=device)
+            opt = make(emb.parameters(), device)
+            train_step = training_step(emb, opt)
+            step = cycle(train_step, [(b,) for b in batches])
+            step()  # compile, allocate the state
             sync(device)
-            results.record(op="fwd+bwd+step", provider=provider, shape=shape, dtype="fp32", mode="eager",
-                           metric="peak MiB", value=peak_memory_mib() - held / 2**20)
+            if cuda:  # this optimizer's table, state and step at their peak: what the others hold is left out
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                sync(device)
+                results.record(metric="peak MiB", value=peak_memory_mib() - held / 2**20, **keys)
+        except torch.OutOfMemoryError as e:
+            results.fail(**keys, error=f"out of memory beside {', '.join(steps)}: {str(e)[:200]}")
+            continue
+        steps[provider], optimizers[provider] = step, (train_step, opt)
     for op in ("fwd+bwd+step", "step"):
         if op == "step":  # the step alone applies one gradient, again and again
-            steps = {provider: opt.step for provider, (train_step, opt) in optimizers.items()}
-            for train_step, _ in optimizers.values():
-                train_step(batches[0])
+            steps = {provider: opt.step for provider, (_, opt) in optimizers.items()}
+            for apply_step, _ in optimizers.values():
+                apply_step(batches[0])
         for mode in TIMED_MODES:
             timed = {p: fn for p, fn in steps.items() if mode != "graph" or p == NO_STEP or p in CAPTURABLE}
             for provider in [p for p in steps if p not in timed]:
                 results.fail(op=op, mode=mode, error=NOT_CAPTURABLE, provider=provider, shape=shape, dtype="fp32")
-            for provider, (timing, per_round) in time_alternating(timed, mode, rounds, rep_ms=rep_ms / rounds).items():
+            try:
+                timings = time_alternating(timed, mode, rounds, rep_ms=rep_ms / rounds, warmup_ms=25 / rounds)
+            except torch.OutOfMemoryError as e:  # all are resident together: none is timed alone
+                for provider in timed:
+                    results.fail(op=op, mode=mode, provider=provider, shape=shape, dtype="fp32",
+                                 error=f"out of memory while timing {', '.join(timed)} in turns: {str(e)[:200]}")
+                continue
+            for provider, (timing, per_round) in timings.items():
                 keys = dict(op=op, mode=mode, provider=provider, shape=shape, dtype="fp32")
                 results.record(metric="ms", value=timing, rounds=per_round, **keys)
                 if op == "step" and provider == "SparseAdamW" and mode != "host":
-                    floor_ms = stats[0][0] / (bandwidth * 1e9) * 1e3
                     results.record(metric="x floor", value=timing.converted(1 / floor_ms), **keys)
-    del shared_emb, steps, optimizers
-    if cuda:
-        torch.cuda.empty_cache()
-    floor_keys = dict(op="step", provider="bytes floor", shape=shape, dtype="fp32", mode="floor")
-    results.record(metric="ms", value=stats[0][0] / (bandwidth * 1e9) * 1e3, copy_gbs=bandwidth, **floor_keys)
-    results.record(metric="MB", value=stats[0][0] / 1e6, **floor_keys)
 
 
 def throughput(names: Sequence[str], batches: int, ratings, tokens, results: Results, rep_ms: float,

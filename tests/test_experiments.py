@@ -71,6 +71,9 @@ def test_time_call_on_a_cpu():
         t = harness.time_call(lambda: calls.append(1), mode, iters=20, warmup_iters=2)
         assert 0 <= t.p20 <= t.p50 <= t.p80
     assert len(calls) >= 2 * (1 + 2 + 20)
+    calls.clear()  # host mode takes iters calls too when iters < 10 (a turn of a few steps stays a few steps)
+    harness.time_call(lambda: calls.append(1), "host", iters=3, warmup_iters=0)
+    assert len(calls) == 1 + 3
     with pytest.raises(ValueError, match="mode must be one of"):
         harness.time_call(lambda: None, "turbo")
     if not torch.cuda.is_available():
@@ -95,6 +98,10 @@ def test_time_alternating_takes_turns_and_reports_the_median_round(monkeypatch):
     got = harness.time_alternating({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, "wall", 3)
     assert order == ["a", "b", "b", "a", "a", "b"]  # every other round reversed: neither always goes first
     assert got["a"] == (Timing(4.0, 5.0, 6.0), [5.0, 9.0, 3.0]) and got["b"] == (Timing(1.0, 2.0, 3.0), [1.0, 2.0, 4.0])
+    clock = iter([4.0, 2.0])  # one round: its own timing; an even count: the median averages the middle two
+    assert harness.time_alternating({"a": lambda: None}, "wall", 1)["a"] == (Timing(3.0, 4.0, 5.0), [4.0])
+    clock = iter([1.0, 2.0, 3.0, 5.0])
+    assert harness.time_alternating({"a": lambda: None, "b": lambda: None}, "wall", 2)["a"][0].p50 == 3.0
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         harness.time_alternating({"a": lambda: None}, "wall", 0)
 

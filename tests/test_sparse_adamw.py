@@ -633,12 +633,33 @@ def test_throughput_machinery_on_a_cpu(monkeypatch):
 
     for name, value in dict(TABLE_ROWS=500, TABLE_DIM=16, LOOKUPS=200, GPT2_DIM=8).items():
         monkeypatch.setattr(se, name, value)
-    timed = []
+    timed, stepped = [], []
+    providers = [se.NO_STEP, *se.OPTIMIZERS.fns]
+    training_step = se.training_step
+
+    def tagged_training_step(emb, opt):  # says which optimizer a timed function stepped
+        train_step = training_step(emb, opt)
+        return lambda ids: (stepped.append(opt), train_step(ids))
+
+    def provider_of(opt):
+        if opt is None:
+            return se.NO_STEP
+        if isinstance(opt, SparseAdamW):
+            return "SparseAdamW (graphs)" if opt.param_groups[0]["graphs"] else "SparseAdamW"
+        return next(p for p in providers if p.split(" ")[0] == type(opt).__name__)
 
     def fake_time_call(fn, mode, **kw):
+        # each provider's own value (the step alone: + 100), so a timing filed under another provider fails
+        opt = getattr(fn, "__self__", None)
+        if opt is not None:  # the step alone applies the gradient its optimizer's training step left
+            assert all(p.grad is not None for g in opt.param_groups for p in g["params"])
+        stepped.clear()
         fn()
         timed.append(mode)
-        return Timing(1.0, 2.0, 3.0)
+        value = providers.index(provider_of(opt if opt is not None else (stepped or [None])[-1]))
+        return Timing(*(value + (100 if opt is not None else 0),) * 3)
+
+    monkeypatch.setattr(se, "training_step", tagged_training_step)
 
     monkeypatch.setattr(harness, "time_call", fake_time_call)  # what time_alternating calls
     monkeypatch.setattr(se, "copy_bandwidth_gbs", lambda: 1000.0)
@@ -654,9 +675,11 @@ def test_throughput_machinery_on_a_cpu(monkeypatch):
     assert timed.count("graph") == 2 * len(streams) * (1 + 3 * 2)
     assert timed.count("eager") == 2 * len(streams) * (1 + 5 * 2)
     assert timed.count("host") == timed.count("eager")
-    assert results.value(op="fwd+bwd+step", provider="SparseAdam", shape="uniform, 500 x 16", mode="host") == 2.0
+    for row in results.select(metric="ms", op=("fwd+bwd+step", "step"), mode=se.TIMED_MODES):
+        expected = providers.index(row["provider"]) + (100 if row["op"] == "step" else 0)
+        assert row["p50"] == expected and row["rounds"] == [expected] * 2, row
+    assert len(results.select(metric="ms", op="step", mode="eager")) == 5 * len(streams)
     assert len(tables) == len(streams)  # --profile: SparseAdamW's kernels on each stream
-    assert results.value(op="fwd+bwd+step", provider=se.NO_STEP, shape="uniform, 500 x 16", mode="graph") == 2.0
     for shape in dict.fromkeys(r["shape"] for r in results.rows):
         assert results.value(op="step", provider="SparseAdamW", shape=shape, mode="graph", metric="x floor") > 0
         assert shape in text

@@ -116,8 +116,8 @@ def _check_launch(results, problem, launch, path, options, rounds) -> list:
         results.fail(**common, provider="shipped", error=f"no shipped choice for this key in {path}")
         return line + ["-", short_name(by_name[best]), "-", "no shipped choice"]
     samples = {choice: [], best: []}
-    for _ in range(rounds if choice != best else 1):  # alternately: drifting clocks hit both alike
-        for name in samples:
+    for r in range(rounds if choice != best else 1):  # in turns, neither always first: drifting clocks hit both alike
+        for name in (list(samples) if r % 2 == 0 else list(samples)[::-1]):
             samples[name].append(measure(lambda: launch.run(by_name[name]), options.mode, options.warmup_ms,
                                          options.rep_ms, by_name[name])[1])
     for provider, name in (("shipped", choice), ("exhaustive best", best)):

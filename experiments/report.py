@@ -316,7 +316,8 @@ bytes it must move (`x floor`). Every optimizer of a stream is built first and a
 round's p50 in the results' `rounds`); `peak MiB` is each optimizer's own table, state and step.
 `SparseAdamW (graphs)` is `SparseAdamW(graphs=True)`: its update replays graphs it captured itself, so
 its eager step copies the lookups and gradient rows into the graph's buffers first (on the gpt2 stream,
-768 columns, its step alone is slower than plain SparseAdamW's). See `experiments/sparse_embedding.py` for the exact setup.""",
+768 columns, its step alone is slower than plain SparseAdamW's). See `experiments/sparse_embedding.py`
+for the exact setup.""",
         command="python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results"),
     "model_eager": Spec(
         title="Patched OPT decoders in eager mode: stock vs fuselab",

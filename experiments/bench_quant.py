@@ -22,6 +22,11 @@ Ops and providers (the first one named is each op's baseline; the report compute
                 quantized by ``quantize_`` with ``Int8DynamicActivationInt8WeightConfig`` /
                 ``Float8RowwiseConfig``: every Linear, lm_head too, fc1's ReLU in the epilogue). The
                 issue's target: quantized at least 1.3x faster than fuselab bf16.
+    distill loss
+                ``DistillationLoss(T=2, alpha=0.5)`` forward and backward on bf16 (N, C) student logits
+                (the teacher's without gradient): torch (the PyTorch form, the baseline) and fuselab fused
+                (``fused=True``: one Triton kernel), at a classifier's C and language models' vocabularies,
+                in turns (``harness.time_alternating``); ``rel err`` of each loss against float64.
 
 Metrics: ``ms`` and, for the GEMMs, ``TOP/s`` (int8 gemm: 2*M*N*K integer ops per second; the bf16
 peer's are FLOPs) or ``TFLOP/s`` (fp8 gemm); ``rel err``: each GEMM provider's output against float64
@@ -66,12 +71,14 @@ from experiments.harness import (
     require_cuda,
     rotating,
     shape_dims,
+    time_alternating,
     time_call,
     tuned_choice,
 )
 from experiments.models import OPT_SIZES, opt_decoder
 from fuselab.kernels import linear_relu
 from fuselab.quant import (
+    DistillationLoss,
     Float8RowwiseConfig,
     Int8DynamicActivationInt8WeightConfig,
     fp8_matmul,
@@ -94,9 +101,11 @@ SHAPES = {name: shape_dims(name) for name in [
 ]}
 QUICK = ["8192x8192x8192", "opt-1.3b fc1 16384x8192x2048", "decode 16x8192x2048"]
 PREFILL_SIZES = ["opt-1.3b"]
-OPS = ("int8 gemm", "fp8 gemm", "prefill")
+OPS = ("int8 gemm", "fp8 gemm", "prefill", "distill loss")
 GEMM_OPS = OPS[:2]
-OP_DTYPE = {"int8 gemm": "int8", "fp8 gemm": "fp8 e4m3", "prefill": "bf16"}  # the rows' dtype key
+OP_DTYPE = {"int8 gemm": "int8", "fp8 gemm": "fp8 e4m3", "prefill": "bf16", "distill loss": "bf16"}  # rows' dtype
+LOSS_SHAPES = {"256x10": (256, 10), "4096x32000": (4096, 32000), "8192x50257": (8192, 50257)}  # N x C
+LOSS_ROUNDS = 5  # turns each loss provider is timed in
 RATE = {"int8 gemm": "TOP/s", "fp8 gemm": "TFLOP/s"}
 BF16_PEERS = {"fuselab bf16"}  # GEMM providers that read the unquantized bf16 tensors
 KERNEL_OF = {"fuselab int8": "scaled_gemm_kernel", "fuselab fp8": "scaled_gemm_kernel",
@@ -118,8 +127,10 @@ class GemmInputs(NamedTuple):
     b_q_row_major: Optional[torch.Tensor]  # (K, N) row-major copy of b_q, when a provider reads it
 
 
-INT8, FP8, PREFILL = Providers(), Providers(), Providers()
-PROVIDERS = {"int8 gemm": INT8, "fp8 gemm": FP8, "prefill": PREFILL}
+INT8, FP8, PREFILL, DISTILL = Providers(), Providers(), Providers(), Providers()
+PROVIDERS = {"int8 gemm": INT8, "fp8 gemm": FP8, "prefill": PREFILL, "distill loss": DISTILL}
+DISTILL.register("torch", baseline=True)(DistillationLoss(2.0, 0.5))
+DISTILL.register("fuselab fused")(DistillationLoss(2.0, 0.5, fused=True))
 
 
 def dequant_bias_relu(acc: torch.Tensor, inp: GemmInputs) -> torch.Tensor:
@@ -258,6 +269,32 @@ def measure_gemm(results: Results, op: str, shape: str, args, device="cuda") -> 
             results.record(**keys, provider=name, mode=mode, metric="ms", value=timing, **extra)
             results.record(**keys, provider=name, mode=mode, metric=RATE[op], value=timing.scaled(2e-9 * M * N * K))
     del sets, calls
+    _empty_cache(device)
+
+
+def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
+    """Both loss providers at ``shape``, forward and backward: each checked once against float64, then
+    timed in turns in each of ``args.modes``; out of memory is recorded as failed."""
+    n, c = LOSS_SHAPES[shape]
+    providers = DISTILL.select(args.providers.get("distill loss"))
+    keys = dict(op="distill loss", shape=shape, dtype="bf16")
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        s = (3 * torch.randn(n, c, device=device, generator=gen)).to(torch.bfloat16).requires_grad_()
+        t = (3 * torch.randn(n, c, device=device, generator=gen)).to(torch.bfloat16)
+        y = torch.randint(0, c, (n,), device=device, generator=gen)
+        ref = DistillationLoss(2.0, 0.5)(s.detach().double(), t.double(), y)
+        for name, loss_fn in providers.items():
+            results.record(**keys, provider=name, mode="eager", metric="rel err",
+                           value=rel_error(loss_fn(s, t, y).detach(), ref))
+        fns = {name: (lambda loss_fn=loss_fn: loss_fn(s, t, y).backward()) for name, loss_fn in providers.items()}
+        for mode in args.modes:
+            timings = time_alternating(fns, mode, LOSS_ROUNDS, rep_ms=args.rep_ms / LOSS_ROUNDS, grad_to_none=[s])
+            for name, (timing, rounds) in timings.items():
+                results.record(**keys, provider=name, mode=mode, metric="ms", value=timing, rounds=rounds)
+    except torch.OutOfMemoryError as e:
+        for name in providers:
+            _report_failure(results, dict(keys, provider=name), args.modes, e)
     _empty_cache(device)
 
 
@@ -455,6 +492,7 @@ def main(argv=None):
     results.annotate(gpu_capability=".".join(map(str, torch.cuda.get_device_capability())))
     jobs = [(op, s) for op in ops if op in GEMM_OPS for s in shapes]
     jobs += [("prefill", s) for s in sizes if "prefill" in ops]
+    jobs += [("distill loss", s) for s in LOSS_SHAPES if "distill loss" in ops]
     start = time.perf_counter()
     for i, (op, what) in enumerate(tqdm(jobs, desc=STUDY)):
         if args.budget_min is not None and time.perf_counter() - start > 60 * args.budget_min:
@@ -462,6 +500,8 @@ def main(argv=None):
             break
         if op == "prefill":
             measure_prefill(results, what, args.tokens, args)
+        elif op == "distill loss":
+            measure_distill(results, what, args)
         else:
             measure_gemm(results, op, what, args)
         results.save(out, merge=args.merge)  # after every job: a run cut short keeps what it measured

@@ -150,7 +150,7 @@ needs compute capability 8.9) are listed under "Not measured"; an op with no tab
 been run yet."""
 
 QUANT_PROVIDERS = ["_int_mm", "_int_mm row-major B", "_scaled_mm", "_scaled_mm fast accum", "fuselab int8",
-                   "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8"]
+                   "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8", "torch", "fuselab fused"]
 
 def _matmul_spec(title: str, cuda_prose: str, command_args: str, plot_suffix: str) -> Spec:
     """The page of ``bench_matmul_relu``'s study, with or without the CUDA C++ reference."""
@@ -292,12 +292,13 @@ error of the four. On a CPU the Triton kernels run in the interpreter (mode `int
                  title="{op}: TOP/s (the bf16 peer's are TFLOP/s)"),
             View("TFLOP/s", index=("shape", "mode"), ops=("fp8 gemm",), geomean_by=("mode",), title="{op}: TFLOP/s"),
             View("ms", index=("shape",), ops=("prefill",), title="{op}: ms per forward"),
+            View("ms", index=("shape", "mode"), ops=("distill loss",), title="{op}: ms per forward and backward"),
             View("rel err", index=("shape",), baseline=None, title="{op}: relative error (see above for against what)"),
             View("rel err vs bf16 math", index=("shape",), baseline=None,
                  title="{op}: relative error vs float64 of the unquantized bf16 inputs"),
         ),
         hide=("ms",),
-        orders={"op": ["int8 gemm", "fp8 gemm", "prefill"], "mode": ["eager", "graph", "wall"],
+        orders={"op": ["int8 gemm", "fp8 gemm", "prefill", "distill loss"], "mode": ["eager", "graph", "wall"],
                 "provider": QUANT_PROVIDERS},
         plot=Plot("TOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "int8 gemm"},
                   ylabel="TOP/s (int8; bf16: TFLOP/s)", title="relu(dequant(a_q @ w_q^T) + bias), int8")),

@@ -627,6 +627,30 @@ def test_bench_quant_unknown_names_are_usage_errors(capsys, outdirs, flag, value
     assert "unknown providers" in usage_error(capsys, bench_quant.main, ["--ops", "prefill", "--providers", "_int_mm"])
 
 
+def test_bench_quant_distill_loss_machinery_on_a_cpu(monkeypatch):
+    # Both losses checked against float64 and timed in turns (timings faked: they need a GPU).
+    import argparse
+
+    monkeypatch.setattr(bench_quant, "LOSS_SHAPES", {"6x40": (6, 40)})
+    calls = []
+
+    def fake_time_call(fn, mode, **kw):
+        assert kw["grad_to_none"][0].requires_grad  # the student's gradient is reset before each call
+        fn()
+        calls.append(mode)
+        return Timing(1.0, 2.0, 3.0)
+
+    monkeypatch.setattr(harness, "time_call", fake_time_call)
+    res = Results(bench_quant.STUDY)
+    args = argparse.Namespace(providers={}, modes=["eager", "graph"], rep_ms=10)
+    bench_quant.measure_distill(res, "6x40", args, device="cpu")
+    assert calls.count("eager") == calls.count("graph") == 2 * bench_quant.LOSS_ROUNDS
+    for name in ("torch", "fuselab fused"):
+        assert res.value(op="distill loss", provider=name, shape="6x40", mode="eager", metric="rel err") < 1e-5
+        assert res.value(op="distill loss", provider=name, shape="6x40", mode="graph", metric="ms") == 2.0
+    assert not res.failed
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")
 def test_bench_quant_refuses_a_cpu_at_once(outdirs):
     with mock.patch.object(bench_quant, "measure_gemm", side_effect=AssertionError("measured")), \

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fuselab.quant.fused_distill import fused_distillation_loss
+
 
 class DistillationLoss(nn.Module):
     """``forward(student_logits, teacher_logits, target)``: the loss above, a scalar.
@@ -26,24 +28,36 @@ class DistillationLoss(nn.Module):
     Args:
         temperature: T > 0 (finite); T = 1 is plain softmax matching.
         alpha: weight of the soft term, in [0, 1]; 0 is plain cross-entropy.
+        fused: compute the loss and both gradients in one Triton kernel (``fuselab.quant.fused_distill``)
+            on CUDA fp16/bf16/fp32 logits; elsewhere, and for a backward that is itself differentiated,
+            the PyTorch form. Its loss equals this one's to fp32 rounding.
     """
 
-    def __init__(self, temperature: float = 4.0, alpha: float = 0.9):
+    def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):
         super().__init__()
         if isinstance(temperature, bool) or isinstance(alpha, bool):
             raise TypeError(f"temperature and alpha must be numbers, got {temperature!r} and {alpha!r}")
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be True or False, got {fused!r}")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
         if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
             raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-        self.temperature, self.alpha = float(temperature), float(alpha)
+        self.temperature, self.alpha, self.fused = float(temperature), float(alpha), fused
 
     def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, alpha={self.alpha}"
+        return f"temperature={self.temperature}, alpha={self.alpha}" + (", fused=True" if self.fused else "")
 
     def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                 target: torch.Tensor) -> torch.Tensor:
         _check(student_logits, teacher_logits, target)
+        if self.fused:
+            return fused_distillation_loss(student_logits, teacher_logits, target, self.temperature, self.alpha,
+                                           self._torch_form)
+        return self._torch_form(student_logits, teacher_logits, target)
+
+    def _torch_form(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                    target: torch.Tensor) -> torch.Tensor:
         T = self.temperature
         with torch.autocast(student_logits.device.type, enabled=False):
             s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)

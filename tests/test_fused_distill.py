@@ -1,0 +1,145 @@
+"""DistillationLoss(fused=True): the Triton kernel (the interpreter on a CPU) against the float64 PyTorch
+form, with a first-order bound of its fp32 arithmetic; inputs it takes and refuses; registration."""
+import pytest
+import torch
+from reference import DEVICES, UNIT, assert_close
+
+from fuselab.quant import DistillationLoss, fused_distill
+
+U32 = UNIT[torch.float32]
+
+
+def logits(n, c, device, dtype=torch.float32, masked=True):
+    s, t = torch.randn(n, c, device=device) * 3, torch.randn(n, c, device=device) * 3
+    if masked:
+        t[0, : c // 3] = float("-inf")  # classes the teacher masks
+    return s.to(dtype), t.to(dtype)
+
+
+def reference(s, t, y, T, alpha):
+    """The float64 PyTorch form: loss, d/ds, d/dt (None where the loss does not depend on t)."""
+    s64, t64 = s.double().requires_grad_(), t.double().requires_grad_()
+    loss = DistillationLoss(T, alpha)(s64, t64, y)
+    gs, gt = torch.autograd.grad(loss, [s64, t64], allow_unused=True)
+    return loss.detach(), gs, gt
+
+
+def bounds(s, t, y, T, alpha):
+    """First-order fp32 error bounds of the loss and both gradients: a row's log-sum-exps add C
+    exponentials (a relative error of C + 8 roundings each, an absolute error of the exponent
+    then), each exponent as large as max |x| / T; a probability p carries p times that error."""
+    n, c = s.shape
+    s64, t64 = s.double(), t.double()
+    finite_t = torch.where(t64.isinf(), 0.0, t64)
+    big = 1 + (s64.abs().amax(1) + finite_t.abs().amax(1)) * (1 + 1 / T)
+    row = 4 * (c + 8) * U32 * big  # per row: error of any log-sum-exp, log-probability or KL term
+    w_soft, w_hard = alpha * T * T / n, (1 - alpha) / max(int((y != -100).sum()), 1)
+    p_s, p_t = torch.softmax(s64 / T, 1), torch.softmax(t64 / T, 1)
+    p_h = torch.softmax(s64, 1)
+    kl = (torch.where(p_t > 0, p_t * (torch.log(p_t) - torch.log_softmax(s64 / T, 1)), 0.0)).sum(1, keepdim=True)
+    log_ratio = torch.where(p_t > 0, torch.log(p_t) - torch.log_softmax(s64 / T, 1), 0.0)
+    loss = ((w_soft + w_hard) * row).sum()
+    ds = (w_soft / T * (p_s + p_t) + w_hard * (p_h + 1e-300)) * row[:, None] * 2
+    dt = w_soft / T * p_t * ((log_ratio - kl).abs() + 2) * row[:, None] * 2
+    return loss, ds, dt
+
+
+def check(s, t, y, T, alpha, what):
+    s1, t1 = s.detach().clone().requires_grad_(), t.detach().clone().requires_grad_()
+    loss = DistillationLoss(T, alpha, fused=True)(s1, t1, y)
+    loss.backward()
+    ref, gs, gt = reference(s, t, y, T, alpha)
+    b_loss, b_ds, b_dt = bounds(s, t, y, T, alpha)
+    assert_close(loss.detach(), ref, b_loss, f"{what} loss")
+    rounding = UNIT[s.dtype] * gs.abs()  # the gradients are stored in the logits' dtype
+    assert_close(s1.grad, gs, b_ds + rounding, f"{what} d/ds")
+    if gt is None:
+        assert t1.grad is None, f"{what}: alpha = 0 leaves the teacher out of the loss"
+    else:
+        assert_close(t1.grad, gt, b_dt + UNIT[t.dtype] * gt.abs(), f"{what} d/dt")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
+@pytest.mark.parametrize("c", [1, 10, 37])
+def test_fused_loss_matches_reference(device, alpha, c, monkeypatch):
+    monkeypatch.setattr(fused_distill, "MAX_BLOCK", 16)  # 37 columns: three blocks of the online passes
+    torch.manual_seed(c)
+    s, t = logits(5, c, device, masked=c > 1)
+    y = torch.randint(0, c, (5,), device=device)
+    y[1] = -100  # a row without a label: the soft term only
+    check(s, t, y, 2.0, alpha, f"alpha {alpha}, C {c}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_loss_16_bit_logits(device, dtype):
+    torch.manual_seed(0)
+    s, t = logits(4, 50, device, dtype)
+    check(s, t, torch.randint(0, 50, (4,), device=device), 4.0, 0.9, str(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_loss_layouts_and_edges(device):
+    torch.manual_seed(1)
+    wide_s, wide_t = logits(6, 40, device)
+    y = torch.randint(0, 20, (12,), device=device)[::2]  # a strided target
+    check(wide_s[:, :20], wide_t[:, :20], y, 1.5, 0.5, "row stride 40, 20 columns")
+    s, t = logits(20, 6, device)
+    check(s.t(), t.t(), torch.randint(0, 20, (6,), device=device), 1.5, 0.5, "column stride 6 (copied)")
+    check(s[:3], t[:3], torch.full((3,), -100, device=device), 3.0, 0.5, "no label at all")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_target_out_of_range_makes_the_loss_nan(device):
+    s, t = logits(3, 8, device)
+    loss = DistillationLoss(2.0, 0.5, fused=True)(s, t, torch.tensor([1, 8, -100], device=device))
+    assert loss.isnan()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward_is_the_pytorch_forms(device):
+    torch.manual_seed(2)
+    s, t = logits(4, 9, device)
+    y = torch.randint(0, 9, (4,), device=device)
+    grads = []
+    for fused in (True, False):
+        s1, t1 = s.clone().requires_grad_(), t.clone().requires_grad_()
+        (gs,) = torch.autograd.grad(DistillationLoss(2.0, 0.5, fused=fused)(s1, t1, y), [s1], create_graph=True)
+        grads.append(torch.autograd.grad(gs.square().sum(), [s1, t1]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_inputs_are_refused():
+    op = torch.ops.fuselab.distillation_loss
+    s, t, y = torch.randn(3, 5), torch.randn(3, 5), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(TypeError, match="fp16/bf16/fp32"):
+        op(s.double(), t.double(), y, 2.0, 0.5, True, True)
+    with pytest.raises(ValueError, match="unit column stride"):
+        op(torch.randn(5, 3).t(), t, y, 2.0, 0.5, True, True)
+    with pytest.raises(ValueError, match="int64"):
+        op(s, t, y.int(), 2.0, 0.5, True, True)
+    with pytest.raises(ValueError, match="one shape"):
+        op(s, t[:, :4], y, 2.0, 0.5, True, True)
+    with pytest.raises(TypeError, match="fused must be True or False"):
+        DistillationLoss(fused=1)
+    # float64 logits take the PyTorch form, exactly
+    s64, t64 = s.double(), t.double()
+    assert torch.equal(DistillationLoss(2.0, 0.5, fused=True)(s64, t64, y), DistillationLoss(2.0, 0.5)(s64, t64, y))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_compile_and_export(device):
+    torch.manual_seed(3)
+    s, t = logits(4, 12, device)
+    y = torch.randint(0, 12, (4,), device=device)
+    torch.library.opcheck(torch.ops.fuselab.distillation_loss, (s, t, y, 2.0, 0.5, True, True))
+    torch.library.opcheck(torch.ops.fuselab.distillation_loss, (s, t, y, 2.0, 1.0, True, False))
+    loss_fn = DistillationLoss(2.0, 0.5, fused=True)
+    eager = loss_fn(s, t, y)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(loss_fn, fullgraph=True)(s, t, y), eager)
+    ep = torch.export.export(loss_fn, (s, t, y))
+    assert any(n.target is torch.ops.fuselab.distillation_loss.default for n in ep.graph.nodes)
+    assert torch.equal(ep.module()(s, t, y), eager)

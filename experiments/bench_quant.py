@@ -26,7 +26,8 @@ Ops and providers (the first one named is each op's baseline; the report compute
                 ``DistillationLoss(T=2, alpha=0.5)`` forward and backward on bf16 (N, C) student logits
                 (the teacher's without gradient): torch (the PyTorch form, the baseline) and fuselab fused
                 (``fused=True``: one Triton kernel), at a classifier's C and language models' vocabularies,
-                in turns (``harness.time_alternating``); ``rel err`` of each loss against float64.
+                in turns (``harness.time_alternating``); ``rel err`` of each loss and ``grad rel err`` of
+                its student gradient against float64.
 
 Metrics: ``ms`` and, for the GEMMs, ``TOP/s`` (int8 gemm: 2*M*N*K integer ops per second; the bf16
 peer's are FLOPs) or ``TFLOP/s`` (fp8 gemm); ``rel err``: each GEMM provider's output against float64
@@ -283,10 +284,18 @@ def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
         s = (3 * torch.randn(n, c, device=device, generator=gen)).to(torch.bfloat16).requires_grad_()
         t = (3 * torch.randn(n, c, device=device, generator=gen)).to(torch.bfloat16)
         y = torch.randint(0, c, (n,), device=device, generator=gen)
-        ref = DistillationLoss(2.0, 0.5)(s.detach().double(), t.double(), y)
+        s64 = s.detach().double().requires_grad_()
+        ref = DistillationLoss(2.0, 0.5)(s64, t.double(), y)
+        (ref_grad,) = torch.autograd.grad(ref, [s64])
         for name, loss_fn in providers.items():
-            results.record(**keys, provider=name, mode="eager", metric="rel err",
-                           value=rel_error(loss_fn(s, t, y).detach(), ref))
+            s.grad = None
+            loss = loss_fn(s, t, y)
+            loss.backward()
+            errors = {"rel err": rel_error(loss.detach(), ref), "grad rel err": rel_error(s.grad, ref_grad)}
+            for metric, value in errors.items():
+                results.record(**keys, provider=name, mode="eager", metric=metric, value=value)
+        del s64, ref_grad
+        s.grad = None
         fns = {name: (lambda loss_fn=loss_fn: loss_fn(s, t, y).backward()) for name, loss_fn in providers.items()}
         for mode in args.modes:
             timings = time_alternating(fns, mode, LOSS_ROUNDS, rep_ms=args.rep_ms / LOSS_ROUNDS, grad_to_none=[s])

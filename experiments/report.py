@@ -294,6 +294,7 @@ error of the four. On a CPU the Triton kernels run in the interpreter (mode `int
             View("ms", index=("shape",), ops=("prefill",), title="{op}: ms per forward"),
             View("ms", index=("shape", "mode"), ops=("distill loss",), title="{op}: ms per forward and backward"),
             View("rel err", index=("shape",), baseline=None, title="{op}: relative error (see above for against what)"),
+            View("grad rel err", index=("shape",), baseline=None, title="{op}: student gradient's relative error"),
             View("rel err vs bf16 math", index=("shape",), baseline=None,
                  title="{op}: relative error vs float64 of the unquantized bf16 inputs"),
         ),

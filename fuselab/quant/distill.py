@@ -30,7 +30,7 @@ class DistillationLoss(nn.Module):
         alpha: weight of the soft term, in [0, 1]; 0 is plain cross-entropy.
         fused: compute the loss and both gradients in one Triton kernel (``fuselab.quant.fused_distill``)
             on CUDA fp16/bf16/fp32 logits; elsewhere, and for a backward that is itself differentiated,
-            the PyTorch form. Its loss equals this one's to fp32 rounding.
+            the PyTorch form. Its results match this one's to fp32 rounding at the logits' magnitude.
     """
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):
@@ -52,29 +52,30 @@ class DistillationLoss(nn.Module):
                 target: torch.Tensor) -> torch.Tensor:
         _check(student_logits, teacher_logits, target)
         if self.fused:
-            return fused_distillation_loss(student_logits, teacher_logits, target, self.temperature, self.alpha,
-                                           self._torch_form)
-        return self._torch_form(student_logits, teacher_logits, target)
+            return fused_distillation_loss(student_logits, teacher_logits, target, self.temperature, self.alpha)
+        return distillation_loss_torch(student_logits, teacher_logits, target, self.temperature, self.alpha)
 
-    def _torch_form(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                    target: torch.Tensor) -> torch.Tensor:
-        T = self.temperature
-        with torch.autocast(student_logits.device.type, enabled=False):
-            s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
-            log_p_s = F.log_softmax(s / T, dim=-1)
-            log_p_t = F.log_softmax(t / T, dim=-1)
-            # KL(p_t || p_s) = sum p_t (log p_t - log p_s), summed over classes, mean over rows; a class the
-            # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)
-            p_t = log_p_t.exp()
-            kept = p_t > 0
-            kl = p_t * (torch.where(kept, log_p_t, 0.0) - torch.where(kept, log_p_s, 0.0))
-            soft = kl.sum() / s.shape[0] * (T * T)
-            if self.alpha == 1.0:  # no hard term at all: 0 * a NaN cross-entropy would be NaN
-                return soft
-            # The mean over labelled rows, 0 when there are none (cross_entropy's mean would be 0 / 0)
-            labelled = (target != -100).sum().clamp(min=1)
-            hard = F.cross_entropy(s, target, reduction="sum") / labelled
-            return hard if self.alpha == 0.0 else self.alpha * soft + (1.0 - self.alpha) * hard
+
+def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: torch.Tensor,
+                            temperature: float, alpha: float) -> torch.Tensor:
+    """``DistillationLoss``'s PyTorch form (its arguments unchecked): differentiable to every order."""
+    T = temperature
+    with torch.autocast(student_logits.device.type, enabled=False):
+        s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
+        log_p_s = F.log_softmax(s / T, dim=-1)
+        log_p_t = F.log_softmax(t / T, dim=-1)
+        # KL(p_t || p_s) = sum p_t (log p_t - log p_s), summed over classes, mean over rows; a class the
+        # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)
+        p_t = log_p_t.exp()
+        kept = p_t > 0
+        kl = p_t * (torch.where(kept, log_p_t, 0.0) - torch.where(kept, log_p_s, 0.0))
+        soft = kl.sum() / s.shape[0] * (T * T)
+        if alpha == 1.0:  # no hard term at all: 0 * a NaN cross-entropy would be NaN
+            return soft
+        # The mean over labelled rows, 0 when there are none (cross_entropy's mean would be 0 / 0)
+        labelled = (target != -100).sum().clamp(min=1)
+        hard = F.cross_entropy(s, target, reduction="sum") / labelled
+        return hard if alpha == 0.0 else alpha * soft + (1.0 - alpha) * hard
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:

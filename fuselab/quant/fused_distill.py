@@ -1,25 +1,30 @@
-"""``DistillationLoss(fused=True)``: the loss and both logits' gradients in one Triton kernel, a program a row.
+"""``DistillationLoss(fused=True)``: the loss in one Triton kernel and both logits' gradients in another,
+a program a row each.
 
 The PyTorch form (``fuselab.quant.distill``) makes a row's softmaxes, logs, KL terms and masks as separate
 (N, C) tensors, forward and backward; at a language model's vocabulary (C ~ 50,000) those passes over
-memory are the loss's cost. Here each row's program reads the student's and teacher's logits twice and
-writes the gradients once:
+memory are the loss's cost. Here the forward reads the student's and teacher's logits once and keeps
+8 floats a row; the backward reads them again and writes the gradients once.
 
-1. online (running max, rescaled sum) passes over the row in blocks of BLOCK columns: the log-sum-exps
-   of s / T, t / T and (for the hard term) s, and sum_i e^(t_i/T - m) (t_i - s_i) / T, which gives
-   KL(p_t || p_s) = sum_i p_t,i (t_i - s_i) / T - lse(t / T) + lse(s / T) without storing p_t;
-2. the row's loss term, then the gradients (the loss is their sum over rows, so ``backward`` scales
-   them by the incoming gradient):
+``loss_rows_kernel``: online (running max m, rescaled sum z) passes over the row in blocks of BLOCK
+columns give the log-sum-exps of s / T, t / T and (for the hard term) s, kept as (m, log z) pairs, and
+A = sum_i e^(t_i/T - m_t) (t_i - s_i) / T, so that
 
-       d/ds_j = alpha T / N (p_s,j - p_t,j) + (1 - alpha) / n_labelled (softmax(s)_j - [j = y])
-       d/dt_j = alpha T / N p_t,j (log p_t,j - log p_s,j - KL_row)
+    KL(p_t || p_s) = A / z_t - (m_t - m_s) - log z_t + log z_s
 
-with p_s, p_t the softmaxes at temperature T, n_labelled the rows whose target is not -100 (read on the
-device: no host sync). A teacher logit of -inf adds nothing (its p_t is 0), as in the PyTorch form. A
-target outside [0, C) (other than -100) makes its row's loss and student gradient NaN: checking it on
-the host would wait for the GPU (PyTorch's cross-entropy stops the process with a device-side assert). The
-math is fp32; float64 logits, CPU tensors without the interpreter, and a backward that is itself
-differentiated take the PyTorch form, whose ops have derivatives of every order.
+without storing p_t (no m + log z is formed: at large logits it would round away the small terms).
+``grad_rows_kernel`` then writes, scaled by the loss's incoming gradient in fp32:
+
+    d/ds_j = alpha T / N (p_s,j - p_t,j) + (1 - alpha) / n_labelled (softmax(s)_j - [j = y])
+    d/dt_j = alpha T / N p_t,j (log p_t,j - log p_s,j - KL_row)
+
+with p_s, p_t the softmaxes at temperature T, each exp((x / T - m) - log z), and n_labelled the rows
+whose target is not -100 (counted on the device: no host sync). A teacher logit of -inf adds nothing
+(its p_t is 0), as in the PyTorch form. With alpha < 1, a target outside [0, C) other than -100 makes
+its row's loss and student gradient NaN: checking it on the host would wait for the GPU (PyTorch's
+cross-entropy stops the process with a device-side assert). The math is fp32; float64 logits and CPU
+tensors (without the interpreter) take the PyTorch form, and so does a backward that is itself
+differentiated, whose derivatives are then PyTorch's.
 """
 from typing import Tuple
 
@@ -30,7 +35,9 @@ import triton.language as tl
 from fuselab.kernels._runtime import ExecutionPath, execution_path, launch, register_op
 
 IGNORE_INDEX = -100  # cross-entropy's: a row without a label adds to the soft term only
+_IGNORE = tl.constexpr(IGNORE_INDEX)  # the same, as the kernels may read a global
 MAX_BLOCK = 4096  # columns a program holds at once (fp32: 32 registers a thread at 4 warps)
+STATS = 8  # floats kept a row: m and log z of s / T, t / T and s; KL; one unused
 
 
 @triton.jit
@@ -42,10 +49,16 @@ def _online_lse(m, z, x):
 
 
 @triton.jit
-def distill_rows_kernel(
-    s_ptr, t_ptr, target_ptr, labelled_ptr, row_loss_ptr, ds_ptr, dt_ptr,
-    C, stride_s, stride_t, stride_ds, stride_dt, inv_T, soft_w, one_minus_alpha,
-    SOFT: tl.constexpr, HARD: tl.constexpr, WRITE_DS: tl.constexpr, WRITE_DT: tl.constexpr, BLOCK: tl.constexpr,
+def _bad_target(y, C):
+    # a labelled row whose class index is outside [0, C): NaN, else 0
+    return tl.where((y != _IGNORE) & ((y < 0) | (y >= C)), float("nan"), 0.0)
+
+
+@triton.jit
+def loss_rows_kernel(
+    s_ptr, t_ptr, target_ptr, labelled_ptr, row_loss_ptr, stats_ptr,
+    C, stride_s, stride_t, inv_T, soft_w, one_minus_alpha,
+    SOFT: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s_row, t_row = s_ptr + row * stride_s, t_ptr + row * stride_t
@@ -69,70 +82,81 @@ def distill_rows_kernel(
             a_t = a_t * tl.exp(m_old - safe_t) + tl.sum(tl.where(e_t > 0, e_t * (t - s) * inv_T, 0.0), axis=0)
         if HARD:
             m_h, z_h, _ = _online_lse(m_h, z_h, s)
-    lse_s, lse_t = m_s + tl.log(z_s), m_t + tl.log(z_t)
-    kl = a_t / z_t - lse_t + lse_s
-    y = tl.load(target_ptr + row)
-    labelled = y != IGNORE_INDEX
-    nan_if_bad = tl.where(labelled & ((y < 0) | (y >= C)), float("nan"), 0.0)  # a class index out of range
-    hard_w = one_minus_alpha / tl.maximum(tl.load(labelled_ptr), 1).to(tl.float32)
+    lz_s, lz_t, lz_h = tl.log(z_s), tl.log(z_t), tl.log(z_h)
+    kl = a_t / z_t - (m_t - m_s) - lz_t + lz_s
     loss = tl.zeros((), tl.float32)
     if SOFT:
         loss += soft_w * kl
     if HARD:
+        y = tl.load(target_ptr + row)
+        labelled = y != _IGNORE
+        hard_w = one_minus_alpha / tl.maximum(tl.load(labelled_ptr), 1).to(tl.float32)
         s_y = tl.load(s_row + tl.where(labelled & (y >= 0) & (y < C), y, 0)).to(tl.float32)
-        loss += tl.where(labelled, hard_w * (m_h + tl.log(z_h) - s_y), 0.0)
-    tl.store(row_loss_ptr + row, loss + nan_if_bad)
-    if WRITE_DS or WRITE_DT:
-        for c0 in range(0, C, BLOCK):
-            live = c0 + cols < C
-            s = tl.load(s_row + c0 + cols, mask=live, other=0.0).to(tl.float32)
-            ds = tl.zeros((BLOCK,), tl.float32)
-            if SOFT:
-                t = tl.load(t_row + c0 + cols, mask=live, other=float("-inf")).to(tl.float32)
-                p_t = tl.exp(t * inv_T - lse_t)
-                p_s = tl.exp(s * inv_T - lse_s)
-                ds += soft_w * inv_T * (p_s - p_t)
-                if WRITE_DT:
-                    log_ratio = (t - s) * inv_T - lse_t + lse_s
-                    dt = tl.where(p_t > 0, soft_w * inv_T * p_t * (log_ratio - kl), 0.0)
-                    tl.store(dt_ptr + row * stride_dt + c0 + cols, dt.to(dt_ptr.dtype.element_ty), mask=live)
-            if HARD:
-                onehot = tl.where((c0 + cols == y) & labelled, 1.0, 0.0)
-                ds += tl.where(labelled, hard_w * (tl.exp(s - m_h - tl.log(z_h)) - onehot), 0.0)
-            if WRITE_DS:
-                tl.store(ds_ptr + row * stride_ds + c0 + cols, (ds + nan_if_bad).to(ds_ptr.dtype.element_ty), mask=live)
+        loss += tl.where(labelled, hard_w * ((m_h - s_y) + lz_h), 0.0) + _bad_target(y, C)
+    tl.store(row_loss_ptr + row, loss)
+    out = stats_ptr + row * 8
+    tl.store(out + 0, m_s)
+    tl.store(out + 1, lz_s)
+    tl.store(out + 2, m_t)
+    tl.store(out + 3, lz_t)
+    tl.store(out + 4, m_h)
+    tl.store(out + 5, lz_h)
+    tl.store(out + 6, kl)
+    tl.store(out + 7, 0.0)  # every output element defined: compiled and eager calls agree bit for bit
 
 
-def _fused_fake(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float,
-                alpha: float, need_ds: bool, need_dt: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_fused(student, teacher, target)
-    return (student.new_empty((), dtype=torch.float32), torch.empty_like(student) if need_ds else student.new_empty(0),
-            torch.empty_like(teacher) if need_dt else teacher.new_empty(0))
+@triton.jit
+def grad_rows_kernel(
+    s_ptr, t_ptr, target_ptr, labelled_ptr, stats_ptr, grad_ptr, ds_ptr, dt_ptr,
+    C, stride_s, stride_t, stride_ds, stride_dt, inv_T, soft_w, one_minus_alpha,
+    SOFT: tl.constexpr, HARD: tl.constexpr, WRITE_DS: tl.constexpr, WRITE_DT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s_row, t_row = s_ptr + row * stride_s, t_ptr + row * stride_t
+    cols = tl.arange(0, BLOCK)
+    stats = stats_ptr + row * 8
+    m_s, lz_s, m_t, lz_t = tl.load(stats + 0), tl.load(stats + 1), tl.load(stats + 2), tl.load(stats + 3)
+    m_h, lz_h, kl = tl.load(stats + 4), tl.load(stats + 5), tl.load(stats + 6)
+    grad = tl.load(grad_ptr).to(tl.float32)  # the loss's incoming gradient: scaled here, in fp32
+    soft_g = soft_w * inv_T * grad
+    y = tl.load(target_ptr + row)
+    labelled = y != _IGNORE
+    hard_g = tl.where(labelled, one_minus_alpha / tl.maximum(tl.load(labelled_ptr), 1).to(tl.float32) * grad, 0.0)
+    if HARD:
+        hard_g += _bad_target(y, C)
+    for c0 in range(0, C, BLOCK):
+        live = c0 + cols < C
+        s = tl.load(s_row + c0 + cols, mask=live, other=0.0).to(tl.float32)
+        ds = tl.zeros((BLOCK,), tl.float32)
+        if SOFT:
+            t = tl.load(t_row + c0 + cols, mask=live, other=float("-inf")).to(tl.float32)
+            log_p_t = (t * inv_T - m_t) - lz_t
+            log_p_s = (s * inv_T - m_s) - lz_s
+            p_t = tl.exp(log_p_t)
+            ds += soft_g * (tl.exp(log_p_s) - p_t)
+            if WRITE_DT:
+                dt = tl.where(p_t > 0, soft_g * p_t * ((log_p_t - log_p_s) - kl), 0.0)
+                tl.store(dt_ptr + row * stride_dt + c0 + cols, dt.to(dt_ptr.dtype.element_ty), mask=live)
+        if HARD:
+            onehot = tl.where(c0 + cols == y, 1.0, 0.0)
+            ds += hard_g * (tl.exp((s - m_h) - lz_h) - onehot)
+        if WRITE_DS:
+            tl.store(ds_ptr + row * stride_ds + c0 + cols, ds.to(ds_ptr.dtype.element_ty), mask=live)
 
 
-def _fused(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float, alpha: float,
-           need_ds: bool, need_dt: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, d loss / d student or an empty tensor, d loss / d teacher or an empty tensor)."""
-    _check_fused(student, teacher, target)
-    path = execution_path(student)
-    if path is not ExecutionPath.TRITON:
-        raise ValueError(f"fuselab::distillation_loss runs on fuselab's Triton kernels only, not here: {path.value}")
-    n, c = student.shape
-    target = target.contiguous()  # the kernel reads it at unit stride
-    row_loss = torch.empty(n, dtype=torch.float32, device=student.device)
-    ds = torch.empty_like(student, memory_format=torch.contiguous_format) if need_ds else student.new_empty(0)
-    dt = torch.empty_like(teacher, memory_format=torch.contiguous_format) if need_dt else teacher.new_empty(0)
-    labelled = (target != IGNORE_INDEX).sum()  # stays on the device
+def _block(c: int) -> Tuple[int, int]:
+    """(columns a program holds at once, its warps)."""
     block = min(MAX_BLOCK, max(16, triton.next_power_of_2(c)))
-    launch(distill_rows_kernel, (n,), student, teacher, target, labelled, row_loss, ds, dt, c, student.stride(0),
-           teacher.stride(0), ds.stride(0) if need_ds else 0, dt.stride(0) if need_dt else 0, 1.0 / temperature,
-           alpha * temperature * temperature / n, 1.0 - alpha, SOFT=alpha > 0.0, HARD=alpha < 1.0, WRITE_DS=need_ds,
-           WRITE_DT=need_dt, BLOCK=block, num_warps=4 if block <= 1024 else 8)
-    return row_loss.sum(), ds, dt
+    return block, 4 if block <= 1024 else 8
 
 
-def _check_fused(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
-    """What the kernel reads exactly: (N, C) logits of one shape with unit column stride, N >= 1, C >= 1,
+def _weights(n: int, temperature: float, alpha: float) -> tuple:
+    """The kernels' float arguments: 1 / T, the soft term's weight alpha T^2 / N (per row), 1 - alpha."""
+    return 1.0 / temperature, alpha * temperature * temperature / n, 1.0 - alpha
+
+
+def _check(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
+    """What the kernels read exactly: (N, C) logits of one shape with unit column stride, N and C >= 1,
     fp16/bf16/fp32; (N,) int64 targets; one device."""
     if student.dim() != 2 or student.shape != teacher.shape or 0 in student.shape:
         raise ValueError(f"the fused loss takes (N, C) logits of one shape, N and C >= 1, got "
@@ -149,40 +173,103 @@ def _check_fused(student: torch.Tensor, teacher: torch.Tensor, target: torch.Ten
             raise ValueError(f"the fused loss needs {name} logits with unit column stride, got strides {x.stride()}")
 
 
-register_op("fuselab::distillation_loss", fake=_fused_fake)(_fused)
+def _check_runs_triton(student: torch.Tensor) -> None:
+    path = execution_path(student)
+    if path is not ExecutionPath.TRITON:
+        raise ValueError(f"fuselab's distillation loss ops run on its Triton kernels only, not here: {path.value}")
+
+
+def _loss_fake(student, teacher, target, temperature, alpha):
+    _check(student, teacher, target)
+    return student.new_empty((), dtype=torch.float32), student.new_empty((student.shape[0], STATS), dtype=torch.float32)
+
+
+def _loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float,
+          alpha: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the loss, 8 fp32 statistics a row that ``distillation_loss_grad`` reads)."""
+    _check(student, teacher, target)
+    _check_runs_triton(student)
+    n, c = student.shape
+    target = target.contiguous()  # the kernels read it at unit stride
+    row_loss = torch.empty(n, dtype=torch.float32, device=student.device)
+    stats = torch.empty((n, STATS), dtype=torch.float32, device=student.device)
+    labelled = (target != IGNORE_INDEX).sum()  # stays on the device
+    block, warps = _block(c)
+    launch(loss_rows_kernel, (n,), student, teacher, target, labelled, row_loss, stats, c, student.stride(0),
+           teacher.stride(0), *_weights(n, temperature, alpha), SOFT=alpha > 0.0, HARD=alpha < 1.0, BLOCK=block,
+           num_warps=warps)
+    return row_loss.sum(), stats
+
+
+def _grad_fake(student, teacher, target, stats, grad, temperature, alpha, need_ds, need_dt):
+    _check(student, teacher, target)
+    return (torch.empty_like(student) if need_ds else student.new_empty(0),
+            torch.empty_like(teacher) if need_dt else teacher.new_empty(0))
+
+
+def _grad(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, stats: torch.Tensor,
+          grad: torch.Tensor, temperature: float, alpha: float, need_ds: bool,
+          need_dt: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(d loss / d student, d loss / d teacher) times ``grad`` (0-dim), each an empty tensor where not needed."""
+    _check(student, teacher, target)
+    _check_runs_triton(student)
+    n, c = student.shape
+    if stats.shape != (n, STATS) or stats.dtype != torch.float32 or grad.numel() != 1:
+        raise ValueError(f"stats must be distillation_loss's ({n}, {STATS}) fp32 and grad one value, got "
+                         f"{tuple(stats.shape)} {stats.dtype} and {tuple(grad.shape)}")
+    target, stats = target.contiguous(), stats.contiguous()
+    ds = torch.empty_like(student, memory_format=torch.contiguous_format) if need_ds else student.new_empty(0)
+    dt = torch.empty_like(teacher, memory_format=torch.contiguous_format) if need_dt else teacher.new_empty(0)
+    if need_ds or need_dt:
+        labelled = (target != IGNORE_INDEX).sum()
+        block, warps = _block(c)
+        launch(grad_rows_kernel, (n,), student, teacher, target, labelled, stats, grad.reshape(()).float(), ds, dt, c,
+               student.stride(0), teacher.stride(0), ds.stride(0) if need_ds else 0, dt.stride(0) if need_dt else 0,
+               *_weights(n, temperature, alpha), SOFT=alpha > 0.0, HARD=alpha < 1.0, WRITE_DS=need_ds,
+               WRITE_DT=need_dt, BLOCK=block, num_warps=warps)
+    return ds, dt
+
+
+_loss_op = register_op("fuselab::distillation_loss", fake=_loss_fake)(_loss)
+register_op("fuselab::distillation_loss_grad", fake=_grad_fake)(_grad)
+
+
+def _setup_context(ctx, inputs, output):
+    student, teacher, target, temperature, alpha = inputs
+    ctx.save_for_backward(student, teacher, target, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.temperature, ctx.alpha = temperature, alpha
+
+
+def _backward(ctx, grad, _grad_stats):
+    student, teacher, target, stats = ctx.saved_tensors
+    # alpha = 0: the loss is the hard term alone, which the teacher's logits do not enter (no gradient)
+    need_ds, need_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.alpha > 0
+    none = (None,) * 3
+    if not (need_ds or need_dt):
+        return (None, None, *none)
+    if torch.is_grad_enabled():  # create_graph=True: PyTorch's form, whose gradients have a graph
+        from fuselab.quant.distill import distillation_loss_torch
+
+        wrt = [x for x, need in ((student, need_ds), (teacher, need_dt)) if need]
+        loss = distillation_loss_torch(student, teacher, target, ctx.temperature, ctx.alpha)
+        got = iter(torch.autograd.grad(loss, wrt, grad, create_graph=True))
+        return (next(got) if need_ds else None, next(got) if need_dt else None, *none)
+    ds, dt = torch.ops.fuselab.distillation_loss_grad(student, teacher, target, stats, grad, ctx.temperature,
+                                                      ctx.alpha, need_ds, need_dt)
+    return (ds if need_ds else None, dt if need_dt else None, *none)
+
+
+_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float,
-                            alpha: float, torch_form) -> torch.Tensor:
-    """The loss by the kernel where it computes it exactly (``execution_path``), else by ``torch_form(student,
-    teacher, target)``; differentiable in both logits (``_FusedLoss``)."""
+                            alpha: float) -> torch.Tensor:
+    """The loss by the kernels where they compute it exactly (``execution_path``), else by the PyTorch form;
+    differentiable in both logits."""
     if execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON:
-        return torch_form(student, teacher, target)
+        from fuselab.quant.distill import distillation_loss_torch
+
+        return distillation_loss_torch(student, teacher, target, temperature, alpha)
     student, teacher = (x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous() for x in (student, teacher))
-    return _FusedLoss.apply(student, teacher, target, temperature, alpha, torch_form)
-
-
-class _FusedLoss(torch.autograd.Function):
-    """The kernel's gradients, computed with the loss, scaled by the incoming gradient; a backward that is
-    itself differentiated (``create_graph=True``) differentiates the PyTorch form instead."""
-
-    @staticmethod
-    def forward(ctx, student, teacher, target, temperature, alpha, torch_form):
-        # alpha = 0: the loss is the hard term alone, which the teacher's logits do not enter (no gradient)
-        ctx.need_ds, ctx.need_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and alpha > 0
-        loss, ds, dt = torch.ops.fuselab.distillation_loss(student, teacher, target, temperature, alpha, ctx.need_ds,
-                                                           ctx.need_dt)
-        ctx.save_for_backward(student, teacher, target, ds, dt)
-        ctx.torch_form = torch_form
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        student, teacher, target, ds, dt = ctx.saved_tensors
-        need_ds, need_dt = ctx.need_ds, ctx.need_dt
-        if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no graph of their own
-            wrt = [x for x, need in ((student, need_ds), (teacher, need_dt)) if need]
-            got = iter(torch.autograd.grad(ctx.torch_form(student, teacher, target), wrt, grad, create_graph=True))
-            return (next(got) if need_ds else None, next(got) if need_dt else None, None, None, None, None)
-        return (ds * grad.to(ds.dtype) if need_ds else None, dt * grad.to(dt.dtype) if need_dt else None,
-                None, None, None, None)
+    return torch.ops.fuselab.distillation_loss(student, teacher, target, temperature, alpha)[0]

@@ -25,7 +25,7 @@ Ops and providers (the first one named is each op's baseline; the report compute
     distill loss
                 ``DistillationLoss(T=2, alpha=0.5)`` forward and backward on bf16 (N, C) student logits
                 (the teacher's without gradient): torch (the PyTorch form, the baseline) and fuselab fused
-                (``fused=True``: one Triton kernel), at a classifier's C and language models' vocabularies,
+                (``fused=True``: fuselab's Triton kernels), at a classifier's C and language models' vocabularies,
                 in turns (``harness.time_alternating``); ``rel err`` of each loss and ``grad rel err`` of
                 its student gradient against float64.
 

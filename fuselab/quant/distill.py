@@ -28,7 +28,7 @@ class DistillationLoss(nn.Module):
     Args:
         temperature: T > 0 (finite); T = 1 is plain softmax matching.
         alpha: weight of the soft term, in [0, 1]; 0 is plain cross-entropy.
-        fused: compute the loss and both gradients in one Triton kernel (``fuselab.quant.fused_distill``)
+        fused: compute the loss and both gradients with Triton kernels (``fuselab.quant.fused_distill``)
             on CUDA fp16/bf16/fp32 logits; elsewhere, and for a backward that is itself differentiated,
             the PyTorch form. Its results match this one's to fp32 rounding at the logits' magnitude.
     """

@@ -12,6 +12,7 @@ from fuselab.quant.config import (
 )
 from fuselab.quant.distill import DistillationLoss
 from fuselab.quant.fp8_gemm import fp8_matmul
+from fuselab.quant.fused_distill import fused_distillation_loss  # noqa: F401  registers its ops
 from fuselab.quant.int8_gemm import int8_matmul
 from fuselab.quant.modules import Float8Linear, Int8Conv2d, Int8Linear
 from fuselab.quant.pt2e import quantize_pt2e_x86

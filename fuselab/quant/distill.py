@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuselab.quant.fused_distill import fused_distillation_loss
-
 
 class DistillationLoss(nn.Module):
     """``forward(student_logits, teacher_logits, target)``: the loss above, a scalar.
@@ -50,8 +48,10 @@ class DistillationLoss(nn.Module):
 
     def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                 target: torch.Tensor) -> torch.Tensor:
-        _check(student_logits, teacher_logits, target)
+        check_logits(student_logits, teacher_logits, target)
         if self.fused:
+            from fuselab.quant.fused_distill import fused_distillation_loss  # it imports this module
+
             return fused_distillation_loss(student_logits, teacher_logits, target, self.temperature, self.alpha)
         return distillation_loss_torch(student_logits, teacher_logits, target, self.temperature, self.alpha)
 
@@ -82,7 +82,8 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.to(torch.float32)
 
 
-def _check(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
+def check_logits(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
+    """``DistillationLoss``'s inputs: (N, C) floating logits of one shape, N >= 1; (N,) int64 targets."""
     if student.dim() != 2 or student.shape != teacher.shape:
         raise ValueError(f"student and teacher logits must both be (N, C) of one shape, got "
                          f"{tuple(student.shape)} and {tuple(teacher.shape)}")

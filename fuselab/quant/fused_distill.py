@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._runtime import ExecutionPath, execution_path, launch, register_op
+from fuselab.quant.distill import check_logits, distillation_loss_torch
 
 IGNORE_INDEX = -100  # cross-entropy's: a row without a label adds to the soft term only
 _IGNORE = tl.constexpr(IGNORE_INDEX)  # the same, as the kernels may read a global
@@ -157,13 +158,11 @@ def _weights(n: int, temperature: float, alpha: float) -> tuple:
 
 
 def _check(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
-    """What the kernels read exactly: (N, C) logits of one shape with unit column stride, N and C >= 1,
-    fp16/bf16/fp32; (N,) int64 targets; one device."""
-    if student.dim() != 2 or student.shape != teacher.shape or 0 in student.shape:
-        raise ValueError(f"the fused loss takes (N, C) logits of one shape, N and C >= 1, got "
-                         f"{tuple(student.shape)} and {tuple(teacher.shape)}")
-    if target.shape != student.shape[:1] or target.dtype != torch.int64:
-        raise ValueError(f"target must be (N,) int64 class indices, got {tuple(target.shape)} {target.dtype}")
+    """What the kernels read exactly: ``check_logits``'s inputs with C >= 1, fp16/bf16/fp32 logits with unit
+    column stride, all on one device."""
+    check_logits(student, teacher, target)
+    if student.shape[1] == 0:
+        raise ValueError(f"the fused loss needs at least one class, got logits of shape {tuple(student.shape)}")
     if student.device != teacher.device or target.device != student.device:
         raise ValueError(f"logits and target must be on one device, got {student.device}, {teacher.device} "
                          f"and {target.device}")
@@ -250,8 +249,6 @@ def _backward(ctx, grad, _grad_stats):
     if not (need_ds or need_dt):
         return (None, None, *none)
     if torch.is_grad_enabled():  # create_graph=True: PyTorch's form, whose gradients have a graph
-        from fuselab.quant.distill import distillation_loss_torch
-
         wrt = [x for x, need in ((student, need_ds), (teacher, need_dt)) if need]
         loss = distillation_loss_torch(student, teacher, target, ctx.temperature, ctx.alpha)
         got = iter(torch.autograd.grad(loss, wrt, grad, create_graph=True))
@@ -269,8 +266,6 @@ def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target
     """The loss by the kernels where they compute it exactly (``execution_path``), else by the PyTorch form;
     differentiable in both logits."""
     if execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON:
-        from fuselab.quant.distill import distillation_loss_torch
-
         return distillation_loss_torch(student, teacher, target, temperature, alpha)
     student, teacher = (x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous() for x in (student, teacher))
     return torch.ops.fuselab.distillation_loss(student, teacher, target, temperature, alpha)[0]

@@ -294,7 +294,7 @@ def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
             errors = {"rel err": rel_error(loss.detach(), ref), "grad rel err": rel_error(s.grad, ref_grad)}
             for metric, value in errors.items():
                 results.record(**keys, provider=name, mode="eager", metric=metric, value=value)
-        del s64, ref_grad
+        del s64, ref_grad, loss  # the last loss's graph would keep s's AccumulateGrad from the default stream
         s.grad = None
         fns = {name: (lambda loss_fn=loss_fn: loss_fn(s, t, y).backward()) for name, loss_fn in providers.items()}
         for mode in args.modes:

@@ -72,7 +72,8 @@ AUTOTUNE: Knob[bool] = Knob(
     "0: no config is timed; an autotuned kernel takes its heuristic config (read at its first launch)")
 CACHE_DIR: Knob[Path] = Knob(
     "FUSELAB_CACHE_DIR", "~/.cache/fuselab", _directory,
-    "where autotune choices (autotune/) and built extensions (torch_extensions/) live")
+    "where autotune choices (autotune/), built extensions (torch_extensions/) and Triton's compiler key "
+    "(triton-key/) live")
 CUDA_KERNEL: Knob[str] = Knob(
     "FUSELAB_CUDA_KERNEL", "auto", _cuda_kernel,
     "the CUDA reference's fp16/bf16 kernel: auto (the faster one that can run), mma or wgmma")

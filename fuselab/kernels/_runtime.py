@@ -15,9 +15,12 @@ from typing import Callable, Dict, Hashable, Optional, Tuple, Union
 import torch
 
 from fuselab import settings
+from fuselab.kernels import _triton_key
 
 # Fixed for the process: Triton decides interpreted or compiled when fuselab's kernels are defined.
 INTERPRET = settings.TRITON_INTERPRET.get()
+if not INTERPRET:  # a fresh process's first compile reads Triton's key from disk, not from 500 MB of hashing
+    _triton_key.install()
 
 
 class ExecutionPath(enum.Enum):

@@ -62,6 +62,9 @@ def loss_rows_kernel(
     C, stride_s, stride_t, inv_T, soft_w, one_minus_alpha,
     SOFT: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # Triton's launcher passes Python floats as fp32, inductor's (a compiled caller) as fp64: one type in both.
+    inv_T, soft_w = tl.cast(inv_T, tl.float32), tl.cast(soft_w, tl.float32)
+    one_minus_alpha = tl.cast(one_minus_alpha, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     s_row, t_row = s_ptr + row * stride_s, t_ptr + row * stride_t
     cols = tl.arange(0, BLOCK)
@@ -113,6 +116,9 @@ def grad_rows_kernel(
     C, stride_s, stride_t, stride_ds, stride_dt, inv_T, soft_w, one_minus_alpha,
     SOFT: tl.constexpr, HARD: tl.constexpr, WRITE_DS: tl.constexpr, WRITE_DT: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # Triton's launcher passes Python floats as fp32, inductor's (a compiled caller) as fp64: one type in both.
+    inv_T, soft_w = tl.cast(inv_T, tl.float32), tl.cast(soft_w, tl.float32)
+    one_minus_alpha = tl.cast(one_minus_alpha, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     s_row, t_row = s_ptr + row * stride_s, t_ptr + row * stride_t
     cols = tl.arange(0, BLOCK)

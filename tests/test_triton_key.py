@@ -1,0 +1,95 @@
+"""Triton's compiler key kept on disk (fuselab.kernels._triton_key): reused only while every file of the
+package is unchanged, recomputed otherwise, never an error."""
+import json
+import os
+
+import pytest
+
+from fuselab.kernels import _triton_key
+
+
+class Compute:
+    """A stand-in for Triton's ``triton_key``: counts its calls, returns a new key each time."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        return f"key-{self.calls}"
+
+
+@pytest.fixture
+def package(tmp_path):
+    root = tmp_path / "triton"
+    (root / "_C").mkdir(parents=True)
+    (root / "_C" / "libtriton.so").write_bytes(b"\0" * 64)
+    (root / "compiler.py").write_text("x = 1\n")
+    (root / "__pycache__").mkdir()
+    return root
+
+
+def test_the_kept_key_serves_while_the_package_is_unchanged(package, tmp_path):
+    compute, path = Compute(), tmp_path / "keys" / "k.json"
+    assert _triton_key.kept_key(compute, str(package), "3.6.0", path) == "key-1"
+    assert json.loads(path.read_text())["key"] == "key-1"
+    (package / "__pycache__" / "compiler.cpython-311.pyc").write_bytes(b"cache")  # caches are not the package
+    assert _triton_key.kept_key(compute, str(package), "3.6.0", path) == "key-1"
+    assert compute.calls == 1
+
+
+@pytest.mark.parametrize("change", ["content", "mtime", "new file", "removed file", "version"])
+def test_any_change_to_the_package_computes_the_key_again(package, tmp_path, change):
+    compute, path = Compute(), tmp_path / "k.json"
+    _triton_key.kept_key(compute, str(package), "3.6.0", path)
+    lib, version = package / "_C" / "libtriton.so", "3.6.0"
+    if change == "content":
+        lib.write_bytes(b"\1" * 65)
+    elif change == "mtime":  # same size, rebuilt: only the time tells
+        st = lib.stat()
+        os.utime(lib, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    elif change == "new file":
+        (package / "_C" / "libproton.so").write_bytes(b"p")
+    elif change == "removed file":
+        (package / "compiler.py").unlink()
+    else:
+        version = "3.6.1"
+    assert _triton_key.kept_key(compute, str(package), version, path) == "key-2"
+    assert _triton_key.kept_key(compute, str(package), version, path) == "key-2"  # and kept again
+    assert compute.calls == 2
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"stamp": 1}', '{"stamp": "s", "version": "v", "key": 3}'])
+def test_a_corrupt_file_is_computed_over(package, tmp_path, text):
+    compute, path = Compute(), tmp_path / "k.json"
+    path.write_text(text)
+    assert _triton_key.kept_key(compute, str(package), "3.6.0", path) == "key-1"
+    assert json.loads(path.read_text())["key"] == "key-1"
+
+
+def test_an_unwritable_cache_still_gives_the_key(package, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    compute = Compute()
+    for _ in range(2):
+        assert _triton_key.kept_key(compute, str(package), "3.6.0", blocker / "k.json") == f"key-{compute.calls}"
+    assert compute.calls == 2
+
+
+def test_installed_triton_compiles_with_its_own_key(env, tmp_path, monkeypatch):
+    import triton.runtime.cache as cache
+
+    from fuselab import settings
+
+    original = getattr(cache.triton_key, "triton_own", cache.triton_key)  # installed at import (compiled Triton)
+    monkeypatch.setattr(cache, "triton_key", original)
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "cache"))
+    settings.reload()
+    _triton_key.install()
+    installed = cache.triton_key
+    assert installed.triton_own is original
+    _triton_key.install()
+    assert cache.triton_key is installed  # once
+    assert installed() == original()
+    kept = list((tmp_path / "cache" / "triton-key").glob("*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["key"] == original()

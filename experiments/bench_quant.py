@@ -24,8 +24,9 @@ Ops and providers (the first one named is each op's baseline; the report compute
                 issue's target: quantized at least 1.3x faster than fuselab bf16.
     distill loss
                 ``DistillationLoss(T=2, alpha=0.5)`` forward and backward on bf16 (N, C) student logits
-                (the teacher's without gradient): torch (the PyTorch form, the baseline) and fuselab fused
-                (``fused=True``: fuselab's Triton kernels), at a classifier's C and language models' vocabularies,
+                (the teacher's without gradient): torch (the PyTorch form, the baseline), torch compiled (the
+                same under ``torch.compile``, a graph per shape) and fuselab fused (``fused=True``: fuselab's
+                Triton kernels), at a classifier's C and language models' vocabularies,
                 in turns (``harness.time_alternating``); ``rel err`` of each loss and ``grad rel err`` of
                 its student gradient against float64.
 
@@ -132,6 +133,7 @@ INT8, FP8, PREFILL, DISTILL = Providers(), Providers(), Providers(), Providers()
 PROVIDERS = {"int8 gemm": INT8, "fp8 gemm": FP8, "prefill": PREFILL, "distill loss": DISTILL}
 DISTILL.register("torch", baseline=True)(DistillationLoss(2.0, 0.5))
 DISTILL.register("fuselab fused")(DistillationLoss(2.0, 0.5, fused=True))
+DISTILL.register("torch compiled")(torch.compile(DistillationLoss(2.0, 0.5), dynamic=False))  # one graph a shape
 
 
 def dequant_bias_relu(acc: torch.Tensor, inp: GemmInputs) -> torch.Tensor:

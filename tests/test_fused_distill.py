@@ -170,3 +170,46 @@ def test_opcheck_compile_and_export(device):
     ep = torch.export.export(loss_fn, (s, t, y))
     assert any(n.target is torch.ops.fuselab.distillation_loss.default for n in ep.graph.nodes)
     torch.testing.assert_close(ep.module()(s, t, y), eager, rtol=4 * 2**-24, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_calls_skip_the_dispatcher_with_the_ops_results(device, monkeypatch):
+    # An untraced call runs the op's bodies through an autograd.Function: bit for bit the op's results.
+    torch.manual_seed(4)
+    s, t = logits(5, 23, device)
+    y = torch.randint(0, 23, (5,), device=device)
+    applied = []
+    real_apply = fused_distill._EagerDistillationLoss.apply
+    monkeypatch.setattr(fused_distill._EagerDistillationLoss, "apply",
+                        lambda *args: applied.append(1) or real_apply(*args))
+    results = []
+    for call in (lambda a, b: DistillationLoss(2.0, 0.5, fused=True)(a, b, y),
+                 lambda a, b: torch.ops.fuselab.distillation_loss(a, b, y, 2.0, 0.5)[0]):
+        s1, t1 = s.clone().requires_grad_(), t.clone().requires_grad_()
+        loss = call(s1, t1)
+        loss.backward(torch.tensor(0.75, device=device))
+        results.append((loss.detach(), s1.grad, t1.grad))
+    assert applied == [1]  # the loss went through the Function, the op call did not
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_ad_and_torch_func_are_the_pytorch_forms(device):
+    # A custom op has no tangent rule: the fused loss computes these with PyTorch's form, never a zero tangent.
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(5)
+    s, t = logits(3, 11, device, masked=False)
+    y = torch.randint(0, 11, (3,), device=device)
+    tangent = torch.randn_like(s)
+    jvps = []
+    for fused in (True, False):
+        with fwAD.dual_level():
+            jvps.append(fwAD.unpack_dual(DistillationLoss(2.0, 0.5, fused=fused)(fwAD.make_dual(s, tangent), t, y)).tangent)
+    assert jvps[0] is not None and torch.equal(jvps[0], jvps[1])
+    grads = [torch.func.grad(lambda x, fused=fused: DistillationLoss(2.0, 0.5, fused=fused)(x, t, y))(s)
+             for fused in (True, False)]
+    assert torch.equal(grads[0], grads[1])
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="distillation_loss has no forward-mode"):
+        torch.ops.fuselab.distillation_loss(fwAD.make_dual(s, tangent), t, y, 2.0, 0.5)

@@ -13,6 +13,7 @@ import warnings
 from typing import Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from fuselab import settings
 from fuselab.kernels import _triton_key
@@ -78,6 +79,30 @@ def untraced(*tensors: Optional[torch.Tensor]) -> bool:
     plain = (torch.Tensor, torch.nn.Parameter)
     return all(t is None or (type(t) in plain and not torch._C._functorch.is_functorch_wrapped_tensor(t))
                for t in tensors)
+
+
+def in_dual_level() -> bool:
+    """Forward-mode AD is on: a dual level of ``torch.autograd.forward_ad`` (``torch.func.jvp`` and
+    ``jacfwd`` open one too)."""
+    return forward_ad._current_level >= 0
+
+
+def beyond_custom_ops() -> bool:
+    """Forward-mode AD or a ``torch.func`` transform (vmap included: batched gradients) is on. A
+    custom op has no forward-mode formula, torch.func differentiates an autograd.Function only with a
+    ``setup_context`` (which torch.library's generated autograd lacks, and the eager autograd.Functions
+    skip for speed), and Triton cannot read a batched tensor: PyTorch's own ops serve these calls."""
+    return in_dual_level() or torch._C._are_functorch_transforms_active()
+
+
+def refuse_forward_ad(op: str, instead: str) -> None:
+    """Custom ops have no forward-mode formula: under a dual level their outputs would carry no
+    tangent (zeros under ``torch.func.jvp``). ``instead`` names the functions that never reach the op there."""
+    if forward_ad._current_level >= 0:  # in_dual_level(), inlined: every eager call passes here
+        raise NotImplementedError(
+            f"torch.ops.fuselab.{op} has no forward-mode derivative (torch.autograd.forward_ad, "
+            f"torch.func.jvp/jacfwd): a custom op cannot have one. Call {instead} instead, which compute "
+            "forward-mode AD with PyTorch's own ops.")
 
 
 def call_untraced(op, body: Callable, *args, mutated: Tuple[torch.Tensor, ...] = ()):

@@ -22,7 +22,6 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 import triton
 import triton.language as tl
 
@@ -33,15 +32,18 @@ from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
     ExecutionPath,
+    beyond_custom_ops,
     check_same_device,
     check_same_dtype,
     execution_path,
     has_tma,
+    in_dual_level,
     launch,
     launch_planned,
     max_shared_memory,
     num_sms,
     plan_layout,
+    refuse_forward_ad,
     register_op,
     untraced,
 )
@@ -391,30 +393,6 @@ def _mask_on_load(grad: torch.Tensor) -> bool:
     return _runs_triton(grad) and not has_tma(grad.device)
 
 
-def _in_dual_level() -> bool:
-    """Forward-mode AD is on: a dual level of ``torch.autograd.forward_ad`` (``torch.func.jvp`` and
-    ``jacfwd`` open one too)."""
-    return forward_ad._current_level >= 0
-
-
-def _beyond_custom_ops() -> bool:
-    """Forward-mode AD or a ``torch.func`` transform (vmap included: batched gradients) is on. A
-    custom op has no forward-mode formula, torch.func differentiates an autograd.Function only with a
-    ``setup_context`` (which torch.library's generated autograd lacks, and ``_EagerMatmulReLU``
-    skips for speed), and Triton cannot read a batched tensor: PyTorch's own ops serve these calls."""
-    return _in_dual_level() or torch._C._are_functorch_transforms_active()
-
-
-def _refuse_forward_ad(op: str) -> None:
-    """Custom ops have no forward-mode formula: under a dual level their outputs would carry no
-    tangent (zeros under ``torch.func.jvp``). ``matmul_relu`` never reaches the ops there."""
-    if forward_ad._current_level >= 0:  # _in_dual_level(), inlined: every eager call passes here
-        raise NotImplementedError(
-            f"torch.ops.fuselab.{op} has no forward-mode derivative (torch.autograd.forward_ad, "
-            "torch.func.jvp/jacfwd): a custom op cannot have one. Call fuselab.kernels.matmul_relu or "
-            "linear_relu instead, which compute forward-mode AD with PyTorch's own ops.")
-
-
 def _torch_forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``relu(addmm(bias, a, b))`` by PyTorch's own ops, with the op's input checks."""
     _check_inputs(a, b, bias)
@@ -428,7 +406,7 @@ def _forward_fake(a, b, bias):
 
 
 def _forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    _refuse_forward_ad("matmul_relu")
+    refuse_forward_ad("matmul_relu", "fuselab.kernels.matmul_relu or linear_relu")
     if not _runs_triton(a):
         return _torch_forward(a, b, bias)
     y = _forward_fake(a, b, bias)
@@ -442,7 +420,7 @@ def _grad_a_fake(grad, y, b):
 
 def _grad_a(grad: torch.Tensor, y: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
     """dA = G @ b^T with G = where(y <= 0, 0, grad) (``y`` None: ``grad`` is G), shaped like A."""
-    _refuse_forward_ad("matmul_relu_grad_a")
+    refuse_forward_ad("matmul_relu_grad_a", "fuselab.kernels.matmul_relu or linear_relu")
     g2 = _rows(grad)
     y2 = None if y is None else _rows(y)
     if not _runs_triton(grad):
@@ -459,7 +437,7 @@ def _grad_b_fake(grad, y, a, b):
 def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
             b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dB, dbias) = (a^T @ G, G^T @ 1) with G as in ``_grad_a``; dB laid out like b."""
-    _refuse_forward_ad("matmul_relu_grad_b")
+    refuse_forward_ad("matmul_relu_grad_b", "fuselab.kernels.matmul_relu or linear_relu")
     grad_b, grad_bias = _grad_b_fake(grad, y, a, b)
     g2, a2 = _rows(grad), _rows(a)
     y2 = None if y is None else _rows(y)
@@ -494,7 +472,7 @@ def _backward_by_torch_needed(grad: torch.Tensor) -> bool:
     """The backward's result is differentiated (``create_graph=True``), carries tangents, or is
     batched (``vmap``; ``is_grads_batched`` and vectorized jacobians use torch's legacy vmap), all
     of which only PyTorch's ops serve; else the Triton products run."""
-    return (torch.is_grad_enabled() or _beyond_custom_ops()
+    return (torch.is_grad_enabled() or beyond_custom_ops()
             or torch._C._functorch.is_legacy_batchedtensor(grad))
 
 
@@ -579,7 +557,7 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
     forward-mode AD.
     """
     if backend == "cuda":
-        if _in_dual_level():
+        if in_dual_level():
             raise NotImplementedError("matmul_relu(backend='cuda') has no forward-mode derivative "
                                       "(torch.autograd.forward_ad, torch.func.jvp/jacfwd): use backend='triton'")
         from fuselab.kernels.matmul_relu_cuda import matmul_relu_cuda
@@ -593,9 +571,9 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def python_matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``matmul_relu`` for the calls the C++ eager path declined (or never sees: tracing, fp32, CPU)."""
-    if execution_path(a) is ExecutionPath.TRITON and untraced(a, b, bias) and not _beyond_custom_ops():
+    if execution_path(a) is ExecutionPath.TRITON and untraced(a, b, bias) and not beyond_custom_ops():
         return _EagerMatmulReLU.apply(a, b, bias)
-    if not torch.compiler.is_compiling() and _beyond_custom_ops():
+    if not torch.compiler.is_compiling() and beyond_custom_ops():
         return _torch_forward(a, b, bias)  # PyTorch's ops: every transform and tangent rule is theirs
     return torch.ops.fuselab.matmul_relu(a, b, bias)
 

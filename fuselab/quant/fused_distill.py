@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._runtime import ExecutionPath, execution_path, launch, register_op
+from fuselab.kernels._runtime import (
+    ExecutionPath,
+    beyond_custom_ops,
+    execution_path,
+    launch,
+    refuse_forward_ad,
+    register_op,
+    untraced,
+)
 from fuselab.quant.distill import check_logits, distillation_loss_torch
 
 IGNORE_INDEX = -100  # cross-entropy's: a row without a label adds to the soft term only
@@ -185,6 +193,9 @@ def _check_runs_triton(student: torch.Tensor) -> None:
         raise ValueError(f"fuselab's distillation loss ops run on its Triton kernels only, not here: {path.value}")
 
 
+_INSTEAD = "fuselab.quant.DistillationLoss(fused=True) or fused_distill.fused_distillation_loss"
+
+
 def _loss_fake(student, teacher, target, temperature, alpha):
     _check(student, teacher, target)
     return student.new_empty((), dtype=torch.float32), student.new_empty((student.shape[0], STATS), dtype=torch.float32)
@@ -193,6 +204,7 @@ def _loss_fake(student, teacher, target, temperature, alpha):
 def _loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float,
           alpha: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the loss, 8 fp32 statistics a row that ``distillation_loss_grad`` reads)."""
+    refuse_forward_ad("distillation_loss", _INSTEAD)
     _check(student, teacher, target)
     _check_runs_triton(student)
     n, c = student.shape
@@ -217,6 +229,7 @@ def _grad(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, st
           grad: torch.Tensor, temperature: float, alpha: float, need_ds: bool,
           need_dt: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d loss / d student, d loss / d teacher) times ``grad`` (0-dim), each an empty tensor where not needed."""
+    refuse_forward_ad("distillation_loss_grad", _INSTEAD)
     _check(student, teacher, target)
     _check_runs_triton(student)
     n, c = student.shape
@@ -247,31 +260,53 @@ def _setup_context(ctx, inputs, output):
     ctx.temperature, ctx.alpha = temperature, alpha
 
 
-def _backward(ctx, grad, _grad_stats):
-    student, teacher, target, stats = ctx.saved_tensors
-    # alpha = 0: the loss is the hard term alone, which the teacher's logits do not enter (no gradient)
-    need_ds, need_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.alpha > 0
-    none = (None,) * 3
-    if not (need_ds or need_dt):
-        return (None, None, *none)
-    if torch.is_grad_enabled():  # create_graph=True: PyTorch's form, whose gradients have a graph
-        wrt = [x for x, need in ((student, need_ds), (teacher, need_dt)) if need]
-        loss = distillation_loss_torch(student, teacher, target, ctx.temperature, ctx.alpha)
-        got = iter(torch.autograd.grad(loss, wrt, grad, create_graph=True))
-        return (next(got) if need_ds else None, next(got) if need_dt else None, *none)
-    ds, dt = torch.ops.fuselab.distillation_loss_grad(student, teacher, target, stats, grad, ctx.temperature,
-                                                      ctx.alpha, need_ds, need_dt)
-    return (ds if need_ds else None, dt if need_dt else None, *none)
+def _backward_using(grad_fn):
+    """The loss's backward with ``grad_fn`` computing the gradients: the registered op, or ``_grad`` itself."""
+
+    def backward(ctx, grad, _grad_stats):
+        student, teacher, target, stats = ctx.saved_tensors
+        # alpha = 0: the loss is the hard term alone, which the teacher's logits do not enter (no gradient)
+        need_ds, need_dt = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and ctx.alpha > 0
+        none = (None,) * 3
+        if not (need_ds or need_dt):
+            return (None, None, *none)
+        if torch.is_grad_enabled():  # create_graph=True: PyTorch's form, whose gradients have a graph
+            wrt = [x for x, need in ((student, need_ds), (teacher, need_dt)) if need]
+            loss = distillation_loss_torch(student, teacher, target, ctx.temperature, ctx.alpha)
+            got = iter(torch.autograd.grad(loss, wrt, grad, create_graph=True))
+            return (next(got) if need_ds else None, next(got) if need_dt else None, *none)
+        ds, dt = grad_fn(student, teacher, target, stats, grad, ctx.temperature, ctx.alpha, need_ds, need_dt)
+        return (ds if need_ds else None, dt if need_dt else None, *none)
+
+    return backward
 
 
-_loss_op.register_autograd(_backward, setup_context=_setup_context)
+_loss_op.register_autograd(_backward_using(torch.ops.fuselab.distillation_loss_grad), setup_context=_setup_context)
+
+
+class _EagerDistillationLoss(torch.autograd.Function):
+    """The registered op's own bodies, called without the dispatcher: in eager mode the custom-op dispatch
+    and its generated autograd cost more host time than the kernels take on the GPU. Traced calls keep
+    the op (``torch.compile``, ``torch.export``); both share one backward."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, target, temperature, alpha):
+        out = _loss(student, teacher, target, temperature, alpha)
+        _setup_context(ctx, (student, teacher, target, temperature, alpha), out)
+        return out
+
+    backward = staticmethod(_backward_using(_grad))
 
 
 def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float,
                             alpha: float) -> torch.Tensor:
     """The loss by the kernels where they compute it exactly (``execution_path``), else by the PyTorch form;
-    differentiable in both logits."""
-    if execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON:
+    differentiable in both logits. Under forward-mode AD and ``torch.func`` transforms the PyTorch form
+    computes it (a custom op has no tangent rule), so tangents and transformed results are PyTorch's."""
+    if (execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON
+            or (not torch.compiler.is_compiling() and beyond_custom_ops())):
         return distillation_loss_torch(student, teacher, target, temperature, alpha)
     student, teacher = (x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous() for x in (student, teacher))
+    if untraced(student, teacher, target):
+        return _EagerDistillationLoss.apply(student, teacher, target, temperature, alpha)[0]
     return torch.ops.fuselab.distillation_loss(student, teacher, target, temperature, alpha)[0]

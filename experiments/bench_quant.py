@@ -280,6 +280,8 @@ def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
     timed in turns in each of ``args.modes``; out of memory is recorded as failed."""
     n, c = LOSS_SHAPES[shape]
     providers = DISTILL.select(args.providers.get("distill loss"))
+    if not providers:  # --providers named none of this op's
+        return
     keys = dict(op="distill loss", shape=shape, dtype="bf16")
     gen = torch.Generator(device=device).manual_seed(0)
     try:
@@ -289,14 +291,24 @@ def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
         s64 = s.detach().double().requires_grad_()
         ref = DistillationLoss(2.0, 0.5)(s64, t.double(), y)
         (ref_grad,) = torch.autograd.grad(ref, [s64])
-        for name, loss_fn in providers.items():
+        for name, loss_fn in list(providers.items()):
             s.grad = None
-            loss = loss_fn(s, t, y)
-            loss.backward()
+            try:  # the first call compiles: a provider that fails is recorded and left out, the others run
+                loss = loss_fn(s, t, y)
+                loss.backward()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                _report_failure(results, dict(keys, provider=name), args.modes, e)
+                del providers[name]
+                continue
             errors = {"rel err": rel_error(loss.detach(), ref), "grad rel err": rel_error(s.grad, ref_grad)}
             for metric, value in errors.items():
                 results.record(**keys, provider=name, mode="eager", metric=metric, value=value)
-        del s64, ref_grad, loss  # the last loss's graph would keep s's AccumulateGrad from the default stream
+            del loss  # its graph would keep s's AccumulateGrad from the default stream into a captured backward
+        del s64, ref_grad
+        if not providers:
+            return
         s.grad = None
         fns = {name: (lambda loss_fn=loss_fn: loss_fn(s, t, y).backward()) for name, loss_fn in providers.items()}
         for mode in args.modes:

@@ -653,6 +653,24 @@ def test_bench_quant_distill_loss_machinery_on_a_cpu(monkeypatch):
     assert not res.failed
 
 
+def test_bench_quant_distill_loss_records_a_failing_provider_and_times_the_rest(monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(bench_quant, "LOSS_SHAPES", {"6x40": (6, 40)})
+    monkeypatch.setattr(harness, "time_call", lambda fn, mode, **kw: fn() or Timing(1.0, 2.0, 3.0))
+
+    def broken(s, t, y):
+        raise RuntimeError("inductor could not compile this")
+
+    monkeypatch.setitem(bench_quant.DISTILL.fns, "broken", broken)
+    res = Results(bench_quant.STUDY)
+    for chosen in (["broken", "torch"], []):  # [] : --providers named none of this op's (nothing, no error)
+        args = argparse.Namespace(providers={"distill loss": chosen}, modes=["eager"], rep_ms=10)
+        bench_quant.measure_distill(res, "6x40", args, device="cpu")
+    assert [f["provider"] for f in res.failed] == ["broken"] and "could not compile" in res.failed[0]["error"]
+    assert res.value(op="distill loss", provider="torch", shape="6x40", mode="eager", metric="ms") == 2.0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")
 def test_bench_quant_refuses_a_cpu_at_once(outdirs):
     with mock.patch.object(bench_quant, "measure_gemm", side_effect=AssertionError("measured")), \

@@ -213,3 +213,18 @@ def test_forward_ad_and_torch_func_are_the_pytorch_forms(device):
     assert torch.equal(grads[0], grads[1])
     with fwAD.dual_level(), pytest.raises(NotImplementedError, match="distillation_loss has no forward-mode"):
         torch.ops.fuselab.distillation_loss(fwAD.make_dual(s, tangent), t, y, 2.0, 0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_backwards_are_the_pytorch_forms(device):
+    # is_grads_batched and vectorized jacobians hand the backward a batched gradient the kernels cannot read.
+    torch.manual_seed(6)
+    s, t = logits(4, 12, device, masked=False)
+    y = torch.randint(0, 12, (4,), device=device)
+    v = torch.tensor([1.0, 2.0, -1.0], device=device)
+    got = []
+    for fused in (True, False):
+        s1 = s.clone().requires_grad_()
+        got.append(torch.autograd.grad(DistillationLoss(2.0, 0.5, fused=fused)(s1, t, y), s1, v, is_grads_batched=True)[0])
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-7)
+    assert got[0].shape == (3, 4, 12)

@@ -38,7 +38,8 @@ def test_the_kept_key_serves_while_the_package_is_unchanged(package, tmp_path):
     assert compute.calls == 1
 
 
-@pytest.mark.parametrize("change", ["content", "mtime", "new file", "removed file", "version"])
+@pytest.mark.parametrize("change", ["content", "mtime", "copied in with its old times", "new file", "removed file",
+                                    "version"])
 def test_any_change_to_the_package_computes_the_key_again(package, tmp_path, change):
     compute, path = Compute(), tmp_path / "k.json"
     _triton_key.kept_key(compute, str(package), "3.6.0", path)
@@ -48,6 +49,12 @@ def test_any_change_to_the_package_computes_the_key_again(package, tmp_path, cha
     elif change == "mtime":  # same size, rebuilt: only the time tells
         st = lib.stat()
         os.utime(lib, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    elif change == "copied in with its old times":  # cp -p / rsync -a of an equal-length edit: ctime tells
+        st = lib.stat()
+        replacement = package / "replacement"
+        replacement.write_bytes(b"\2" * 64)
+        os.utime(replacement, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(replacement, lib)
     elif change == "new file":
         (package / "_C" / "libproton.so").write_bytes(b"p")
     elif change == "removed file":
@@ -59,7 +66,21 @@ def test_any_change_to_the_package_computes_the_key_again(package, tmp_path, cha
     assert compute.calls == 2
 
 
-@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"stamp": 1}', '{"stamp": "s", "version": "v", "key": 3}'])
+def test_files_behind_a_linked_folder_are_stamped(package, tmp_path):
+    # A development install links its backends into the package; Triton's walk follows the link.
+    outside = tmp_path / "third_party" / "nvidia"
+    outside.mkdir(parents=True)
+    (outside / "compiler.py").write_text("a = 1\n")
+    (package / "backends").mkdir()
+    (package / "backends" / "nvidia").symlink_to(outside, target_is_directory=True)
+    (package / "backends" / "loop").symlink_to(package, target_is_directory=True)  # walked once, not forever
+    compute, path = Compute(), tmp_path / "k.json"
+    _triton_key.kept_key(compute, str(package), "3.6.0", path)
+    (outside / "compiler.py").write_text("a = 22\n")
+    assert _triton_key.kept_key(compute, str(package), "3.6.0", path) == "key-2"
+
+
+@pytest.mark.parametrize("text", ["not json", "[" * 100_000, "[1, 2]", '{"stamp": 1}', '{"stamp": "s", "version": "v", "key": 3}'])
 def test_a_corrupt_file_is_computed_over(package, tmp_path, text):
     compute, path = Compute(), tmp_path / "k.json"
     path.write_text(text)
@@ -93,3 +114,43 @@ def test_installed_triton_compiles_with_its_own_key(env, tmp_path, monkeypatch):
     assert installed() == original()
     kept = list((tmp_path / "cache" / "triton-key").glob("*.json"))
     assert len(kept) == 1 and json.loads(kept[0].read_text())["key"] == original()
+
+
+def test_every_file_triton_hashes_is_stamped(monkeypatch):
+    # The stamp must cover what Triton's own key reads, or a change there would leave the kept key stale.
+    import builtins
+
+    import triton
+    import triton.runtime.cache as cache
+
+    own = getattr(cache.triton_key, "triton_own", cache.triton_key)
+    opened, real_open = [], builtins.open
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(os.path.abspath(os.fspath(file)))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", recording_open)
+    own.__wrapped__()  # the uncached computation
+    monkeypatch.undo()
+    package_dir = os.path.dirname(os.path.abspath(triton.__file__))
+    stamped = {os.path.abspath(p) for p in _triton_key.package_files(package_dir)}
+    assert len(opened) > 3 and not [p for p in opened if p not in stamped]
+
+
+def test_an_error_in_keeping_the_key_falls_back_to_tritons_own(env, tmp_path, monkeypatch):
+    import triton.runtime.cache as cache
+
+    from fuselab import settings
+
+    own = getattr(cache.triton_key, "triton_own", cache.triton_key)
+    monkeypatch.setattr(cache, "triton_key", own)
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "cache"))
+    settings.reload()
+
+    def broken(*args):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(_triton_key, "kept_key", broken)
+    _triton_key.install()
+    assert cache.triton_key() == own()

@@ -95,6 +95,14 @@ def beyond_custom_ops() -> bool:
     return in_dual_level() or torch._C._are_functorch_transforms_active()
 
 
+def backward_by_torch_needed(grad: torch.Tensor) -> bool:
+    """The backward's result is differentiated (``create_graph=True``), carries tangents, or is
+    batched (``vmap``; ``is_grads_batched`` and vectorized jacobians use torch's legacy vmap), all
+    of which only PyTorch's ops serve; else fuselab's kernels run."""
+    return (torch.is_grad_enabled() or beyond_custom_ops()
+            or torch._C._functorch.is_legacy_batchedtensor(grad))
+
+
 def refuse_forward_ad(op: str, instead: str) -> None:
     """Custom ops have no forward-mode formula: under a dual level their outputs would carry no
     tangent (zeros under ``torch.func.jvp``). ``instead`` names the functions that never reach the op there."""

@@ -6,30 +6,44 @@ Before its first compile in a process, even one its cache answers, Triton hashes
 
 The key is a function of those files' contents, so fuselab keeps it in
 ``$FUSELAB_CACHE_DIR/triton-key/<install>.json`` beside a stamp of every file in the Triton
-package (relative path, size, modification time), as Python's ``.pyc`` files are checked against
-their sources. While the stamp holds, the kept key is used; any change to the package (an upgrade, a
-rebuild) computes the key again with Triton's own function and rewrites the file. A missing,
-corrupt or unwritable file costs that computation and nothing else.
+package, symbolic links followed as Triton's own walk follows them (a development install links its
+backends in): path, size, modification and change times, inode. While the stamp holds, the kept key
+is used; any change to the package (an upgrade, a rebuild, a file copied in, even with its old
+modification time: its change time is new) computes the key again with Triton's own function and
+rewrites the file. A missing, corrupt or unwritable file, or any error at all here, costs that
+computation and nothing else: Triton's own function answers.
 """
 import functools
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from fuselab import settings
 
 
-def package_stamp(package_dir: str) -> str:
-    """A hash of every file under ``package_dir`` (caches excluded): relative path, size, mtime."""
-    digest = hashlib.sha256()
-    for root, dirs, files in os.walk(package_dir):
+def package_files(package_dir: str) -> Iterator[str]:
+    """Every file under ``package_dir`` (caches excluded), symbolic links to folders followed once each."""
+    seen = set()
+    for root, dirs, files in os.walk(package_dir, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back up the tree: walked already
+            dirs[:] = []
+            continue
+        seen.add(real)
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            st = os.stat(path)
-            digest.update(f"{os.path.relpath(path, package_dir)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        yield from (os.path.join(root, name) for name in sorted(files))
+
+
+def package_stamp(package_dir: str) -> str:
+    """A hash of every file of ``package_files``: relative path, size, mtime, ctime and inode (stat follows links)."""
+    digest = hashlib.sha256()
+    for path in package_files(package_dir):
+        st = os.stat(path)
+        digest.update(f"{os.path.relpath(path, package_dir)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+                      f"\0{st.st_ino}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
 
 
@@ -41,15 +55,16 @@ def kept_key(compute: Callable[[], str], package_dir: str, version: str, path: P
         kept = json.loads(path.read_text())
         if kept["stamp"] == stamp and kept["version"] == version and isinstance(kept["key"], str):
             return kept["key"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except Exception:  # missing, unreadable or not what this module writes: compute it
         pass
     key = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: readers never see half
-        tmp.write_text(json.dumps({"version": version, "stamp": stamp, "key": key}))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # written whole, then renamed
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": version, "stamp": stamp, "key": key}, f)
         os.replace(tmp, path)
-    except OSError:
+    except Exception:
         pass
     return key
 
@@ -70,7 +85,7 @@ def install() -> None:
         try:
             path = settings.CACHE_DIR.get() / "triton-key" / f"{install_id}.json"
             return kept_key(compute, package_dir, triton.__version__, path)
-        except OSError:  # the package itself cannot be walked: Triton's own hash
+        except Exception:  # every Triton compile in the process reads this: never fail where Triton would not
             return compute()
 
     triton_key.triton_own = compute

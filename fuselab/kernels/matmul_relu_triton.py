@@ -32,6 +32,7 @@ from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
     ExecutionPath,
+    backward_by_torch_needed,
     beyond_custom_ops,
     check_same_device,
     check_same_dtype,
@@ -468,19 +469,11 @@ def _backward_by_torch(grad, a, b, y, need_a: bool, need_b: bool, need_bias: boo
             g2.sum(0) if need_bias else None)
 
 
-def _backward_by_torch_needed(grad: torch.Tensor) -> bool:
-    """The backward's result is differentiated (``create_graph=True``), carries tangents, or is
-    batched (``vmap``; ``is_grads_batched`` and vectorized jacobians use torch's legacy vmap), all
-    of which only PyTorch's ops serve; else the Triton products run."""
-    return (torch.is_grad_enabled() or beyond_custom_ops()
-            or torch._C._functorch.is_legacy_batchedtensor(grad))
-
-
 def _backward_using(grad_a_fn, grad_b_fn):
     def backward(ctx, grad):
         a, b, y = ctx.saved_tensors
         need_a, need_b, need_bias = ctx.needs_input_grad[:3]  # ops with extra non-tensor arguments share it
-        if _backward_by_torch_needed(grad):
+        if backward_by_torch_needed(grad):
             return _backward_by_torch(grad, a, b, y, need_a, need_b, need_bias and ctx.has_bias)
         grad_a = grad_b = grad_bias = None
         if not _mask_on_load(grad):  # G written once, shared by both products

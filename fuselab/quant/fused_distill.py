@@ -35,6 +35,7 @@ import triton.language as tl
 
 from fuselab.kernels._runtime import (
     ExecutionPath,
+    backward_by_torch_needed,
     beyond_custom_ops,
     execution_path,
     launch,
@@ -270,10 +271,12 @@ def _backward_using(grad_fn):
         none = (None,) * 3
         if not (need_ds or need_dt):
             return (None, None, *none)
-        if torch.is_grad_enabled():  # create_graph=True: PyTorch's form, whose gradients have a graph
+        if backward_by_torch_needed(grad):  # create_graph=True, tangents or batched: PyTorch's form serves
             wrt = [x for x, need in ((student, need_ds), (teacher, need_dt)) if need]
-            loss = distillation_loss_torch(student, teacher, target, ctx.temperature, ctx.alpha)
-            got = iter(torch.autograd.grad(loss, wrt, grad, create_graph=True))
+            create_graph = torch.is_grad_enabled()
+            with torch.enable_grad():  # a batched backward runs without grad mode: the form needs its graph
+                loss = distillation_loss_torch(student, teacher, target, ctx.temperature, ctx.alpha)
+                got = iter(torch.autograd.grad(loss, wrt, grad, create_graph=create_graph))
             return (next(got) if need_ds else None, next(got) if need_dt else None, *none)
         ds, dt = grad_fn(student, teacher, target, stats, grad, ctx.temperature, ctx.alpha, need_ds, need_dt)
         return (ds if need_ds else None, dt if need_dt else None, *none)
@@ -308,5 +311,5 @@ def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target
         return distillation_loss_torch(student, teacher, target, temperature, alpha)
     student, teacher = (x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous() for x in (student, teacher))
     if untraced(student, teacher, target):
-        return _EagerDistillationLoss.apply(student, teacher, target, temperature, alpha)[0]
+        return _EagerDistillationLoss.apply(student, teacher, target, float(temperature), float(alpha))[0]
     return torch.ops.fuselab.distillation_loss(student, teacher, target, temperature, alpha)[0]

@@ -81,12 +81,17 @@ EAGER_CPP: Knob[bool] = Knob(
     "FUSELAB_EAGER_CPP", "1", _flag,
     "0: eager calls of the fused layers take the Python path; 1: the C++ path, built on the first eager "
     "CUDA call (about a minute, once per torch version)")
+KEEP_TRITON_KEY: Knob[bool] = Knob(
+    "FUSELAB_KEEP_TRITON_KEY", "1", _flag,
+    "1: Triton's compiler key, which Triton hashes from its own files in every process (about half a second "
+    "before its first compile), is kept on disk (fuselab/kernels/_triton_key.py); 0: Triton computes it as "
+    "usual; read at the process's first Triton compile")
 TRITON_INTERPRET: Knob[bool] = Knob(
     "TRITON_INTERPRET", "0", _triton_interpret,
     "1: Triton runs kernels on the CPU; fixed when fuselab defines its kernels (at import)",
     reloadable=False)
 
-KNOBS: Tuple[Knob, ...] = (AUTOTUNE, CACHE_DIR, CUDA_KERNEL, EAGER_CPP, TRITON_INTERPRET)
+KNOBS: Tuple[Knob, ...] = (AUTOTUNE, CACHE_DIR, CUDA_KERNEL, EAGER_CPP, KEEP_TRITON_KEY, TRITON_INTERPRET)
 
 
 def reload() -> None:

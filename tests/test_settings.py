@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_every_knob_is_listed_with_its_default(env):
     assert {k.env for k in settings.KNOBS} == {"FUSELAB_AUTOTUNE", "FUSELAB_CACHE_DIR", "FUSELAB_CUDA_KERNEL",
-                                               "FUSELAB_EAGER_CPP", "TRITON_INTERPRET"}
+                                               "FUSELAB_EAGER_CPP", "FUSELAB_KEEP_TRITON_KEY", "TRITON_INTERPRET"}
     for knob in settings.KNOBS:
         env.delenv(knob.env, raising=False)
     settings.reload()
@@ -22,6 +22,7 @@ def test_every_knob_is_listed_with_its_default(env):
     assert settings.CACHE_DIR.get() == Path.home() / ".cache" / "fuselab"
     assert settings.CUDA_KERNEL.get() == "auto"
     assert settings.EAGER_CPP.get() is True
+    assert settings.KEEP_TRITON_KEY.get() is True
     env.setenv("FUSELAB_CUDA_KERNEL", "")  # set but empty: the default, as the CUDA reference reads it
     settings.reload()
     assert settings.CUDA_KERNEL.get() == "auto"

@@ -154,3 +154,19 @@ def test_an_error_in_keeping_the_key_falls_back_to_tritons_own(env, tmp_path, mo
     monkeypatch.setattr(_triton_key, "kept_key", broken)
     _triton_key.install()
     assert cache.triton_key() == own()
+
+
+@pytest.mark.parametrize("keep", ["0", "1"])
+def test_fuselab_keeps_the_key_unless_told_not_to(env, tmp_path, monkeypatch, keep):
+    import triton.runtime.cache as cache
+
+    from fuselab import settings
+
+    own = getattr(cache.triton_key, "triton_own", cache.triton_key)
+    monkeypatch.setattr(cache, "triton_key", own)
+    env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "cache"))
+    env.setenv("FUSELAB_KEEP_TRITON_KEY", keep)
+    settings.reload()
+    _triton_key.install()
+    assert cache.triton_key() == own()
+    assert (tmp_path / "cache" / "triton-key").exists() == (keep == "1")

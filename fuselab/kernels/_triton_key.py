@@ -70,7 +70,8 @@ def kept_key(compute: Callable[[], str], package_dir: str, version: str, path: P
 
 
 def install() -> None:
-    """Make Triton's compiler read its key through ``kept_key`` in this process (once; idempotent)."""
+    """Make Triton's compiler read its key through ``kept_key`` in this process (once; idempotent), unless
+    ``FUSELAB_KEEP_TRITON_KEY=0`` when it is first read (then Triton's own function answers)."""
     import triton
     import triton.runtime.cache as cache
 
@@ -83,6 +84,8 @@ def install() -> None:
     @functools.lru_cache(maxsize=None)
     def triton_key() -> str:
         try:
+            if not settings.KEEP_TRITON_KEY.get():
+                return compute()
             path = settings.CACHE_DIR.get() / "triton-key" / f"{install_id}.json"
             return kept_key(compute, package_dir, triton.__version__, path)
         except Exception:  # every Triton compile in the process reads this: never fail where Triton would not

@@ -276,14 +276,16 @@ def measure_gemm(results: Results, op: str, shape: str, args, device="cuda") -> 
 
 
 def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
-    """Both loss providers at ``shape``, forward and backward: each checked once against float64, then
-    timed in turns in each of ``args.modes``; out of memory is recorded as failed."""
+    """The loss providers at ``shape``, forward and backward: each checked once against float64, then
+    timed in turns in each of ``args.modes``. A provider that fails its check (a compile, say) is recorded
+    and left out; a mode whose timing fails, or out of memory, is recorded as failed for what it had left."""
     n, c = LOSS_SHAPES[shape]
     providers = DISTILL.select(args.providers.get("distill loss"))
     if not providers:  # --providers named none of this op's
         return
     keys = dict(op="distill loss", shape=shape, dtype="bf16")
     gen = torch.Generator(device=device).manual_seed(0)
+    modes_left = list(args.modes)
     try:
         s = (3 * torch.randn(n, c, device=device, generator=gen)).to(torch.bfloat16).requires_grad_()
         t = (3 * torch.randn(n, c, device=device, generator=gen)).to(torch.bfloat16)
@@ -296,28 +298,38 @@ def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
             try:  # the first call compiles: a provider that fails is recorded and left out, the others run
                 loss = loss_fn(s, t, y)
                 loss.backward()
+                errors = {"rel err": rel_error(loss.detach(), ref), "grad rel err": rel_error(s.grad, ref_grad)}
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:
                 _report_failure(results, dict(keys, provider=name), args.modes, e)
                 del providers[name]
                 continue
-            errors = {"rel err": rel_error(loss.detach(), ref), "grad rel err": rel_error(s.grad, ref_grad)}
+            finally:  # a loss's graph would keep s's AccumulateGrad from the default stream into a captured backward
+                loss = None
             for metric, value in errors.items():
                 results.record(**keys, provider=name, mode="eager", metric=metric, value=value)
-            del loss  # its graph would keep s's AccumulateGrad from the default stream into a captured backward
         del s64, ref_grad
-        if not providers:
-            return
         s.grad = None
         fns = {name: (lambda loss_fn=loss_fn: loss_fn(s, t, y).backward()) for name, loss_fn in providers.items()}
         for mode in args.modes:
-            timings = time_alternating(fns, mode, LOSS_ROUNDS, rep_ms=args.rep_ms / LOSS_ROUNDS, grad_to_none=[s])
+            if not fns:
+                break
+            try:
+                timings = time_alternating(fns, mode, LOSS_ROUNDS, rep_ms=args.rep_ms / LOSS_ROUNDS, grad_to_none=[s])
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # a capture that fails, say: this mode is recorded as failed, the next runs
+                for name in providers:
+                    _report_failure(results, dict(keys, provider=name), [mode], e)
+                modes_left.remove(mode)
+                continue
             for name, (timing, rounds) in timings.items():
                 results.record(**keys, provider=name, mode=mode, metric="ms", value=timing, rounds=rounds)
+            modes_left.remove(mode)
     except torch.OutOfMemoryError as e:
         for name in providers:
-            _report_failure(results, dict(keys, provider=name), args.modes, e)
+            _report_failure(results, dict(keys, provider=name), modes_left, e)
     _empty_cache(device)
 
 

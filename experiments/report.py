@@ -511,7 +511,6 @@ def render_view(res: Results, spec: Spec, view: View) -> Tuple[List[str], set]:
     for part in splits:
         sub = [r for r in rows if tuple(r[k] for k in view.split) == part]
         ops = list(dict.fromkeys(r["op"] for r in sub))
-        covered |= {(op, view.metric) for op in ops}
         baseline = view.baseline
         if baseline == OP_BASELINE:
             named = {res.baselines.get(op) for op in ops}
@@ -520,6 +519,7 @@ def render_view(res: Results, spec: Spec, view: View) -> Tuple[List[str], set]:
             baseline = None
         if view.baseline not in (OP_BASELINE, None) and not any(r[view.column] == baseline for r in sub):
             continue  # a view against a named peer that was not measured: nothing to show
+        covered |= {(op, view.metric) for op in ops}
         with_runs = len({r["run"] for r in sub}) > 1
         table = build_table(sub, view.index, view.column, baseline, spec.orders, with_runs)
         names = dict(zip(view.split, part), metric=view.metric)

@@ -3,6 +3,7 @@ import importlib
 import json
 import re
 import shutil
+import weakref
 from pathlib import Path
 from unittest import mock
 
@@ -657,18 +658,46 @@ def test_bench_quant_distill_loss_records_a_failing_provider_and_times_the_rest(
     import argparse
 
     monkeypatch.setattr(bench_quant, "LOSS_SHAPES", {"6x40": (6, 40)})
-    monkeypatch.setattr(harness, "time_call", lambda fn, mode, **kw: fn() or Timing(1.0, 2.0, 3.0))
+    def time_call(fn, mode, **kw):
+        alive.extend(r() is not None for r in broken_backward.losses)  # into the timing (a capture, on a GPU)
+        if mode == "graph":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        fn()
+        return Timing(1.0, 2.0, 3.0)
+
+    alive = []
+    monkeypatch.setattr(harness, "time_call", time_call)
 
     def broken(s, t, y):
         raise RuntimeError("inductor could not compile this")
 
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("the backward failed")
+
+    def broken_backward(s, t, y):  # its loss's graph must not outlive the check (it would reach a capture)
+        loss = FailingBackward.apply(bench_quant.DISTILL.fns["torch"](s, t, y))
+        broken_backward.losses.append(weakref.ref(loss))
+        return loss
+
+    broken_backward.losses = []
     monkeypatch.setitem(bench_quant.DISTILL.fns, "broken", broken)
+    monkeypatch.setitem(bench_quant.DISTILL.fns, "broken backward", broken_backward)
     res = Results(bench_quant.STUDY)
-    for chosen in (["broken", "torch"], []):  # [] : --providers named none of this op's (nothing, no error)
-        args = argparse.Namespace(providers={"distill loss": chosen}, modes=["eager"], rep_ms=10)
+    for chosen in (["broken", "torch", "broken backward"], []):  # [] : --providers named none of this op's
+        args = argparse.Namespace(providers={"distill loss": chosen}, modes=["eager", "graph"], rep_ms=10)
         bench_quant.measure_distill(res, "6x40", args, device="cpu")
-    assert [f["provider"] for f in res.failed] == ["broken"] and "could not compile" in res.failed[0]["error"]
+    assert [(f["provider"], f["mode"]) for f in res.failed] == [  # a mode that fails is that mode's failure
+        ("broken", "eager"), ("broken", "graph"), ("broken backward", "eager"), ("broken backward", "graph"),
+        ("torch", "graph")]
+    assert "could not compile" in res.failed[0]["error"] and "capturing" in res.failed[-1]["error"]
     assert res.value(op="distill loss", provider="torch", shape="6x40", mode="eager", metric="ms") == 2.0
+    assert broken_backward.losses and alive and not any(alive)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")

@@ -88,6 +88,16 @@ def test_a_corrupt_file_is_computed_over(package, tmp_path, text):
     assert json.loads(path.read_text())["key"] == "key-1"
 
 
+def test_the_kept_file_is_whole_and_as_readable_as_any_new_file(package, tmp_path):
+    (package / "dangling").symlink_to(tmp_path / "nowhere")  # stamped as a link, not an error
+    path = tmp_path / "keys" / "k.json"
+    _triton_key.kept_key(Compute(), str(package), "3.6.0", path)
+    plain = tmp_path / "keys" / "plain"
+    plain.write_text("")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["k.json", "plain"]  # no temporary file left
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
 def test_an_unwritable_cache_still_gives_the_key(package, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -156,7 +166,7 @@ def test_an_error_in_keeping_the_key_falls_back_to_tritons_own(env, tmp_path, mo
     assert cache.triton_key() == own()
 
 
-@pytest.mark.parametrize("keep", ["0", "1"])
+@pytest.mark.parametrize("keep", ["0", "1", "maybe"])
 def test_fuselab_keeps_the_key_unless_told_not_to(env, tmp_path, monkeypatch, keep):
     import triton.runtime.cache as cache
 
@@ -165,8 +175,14 @@ def test_fuselab_keeps_the_key_unless_told_not_to(env, tmp_path, monkeypatch, ke
     own = getattr(cache.triton_key, "triton_own", cache.triton_key)
     monkeypatch.setattr(cache, "triton_key", own)
     env.setenv("FUSELAB_CACHE_DIR", str(tmp_path / "cache"))
-    env.setenv("FUSELAB_KEEP_TRITON_KEY", keep)
+    env.setenv("FUSELAB_KEEP_TRITON_KEY", "1")
     settings.reload()
     _triton_key.install()
+    env.setenv("FUSELAB_KEEP_TRITON_KEY", keep)  # after the install: read at the first compile
+    settings.reload()
+    if keep == "maybe":
+        with pytest.raises(ValueError, match="FUSELAB_KEEP_TRITON_KEY"):
+            cache.triton_key()
+        return
     assert cache.triton_key() == own()
     assert (tmp_path / "cache" / "triton-key").exists() == (keep == "1")

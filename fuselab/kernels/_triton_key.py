@@ -17,11 +17,11 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
 from fuselab import settings
+from fuselab._io import write_json_atomic
 
 
 def package_files(package_dir: str) -> Iterator[str]:
@@ -41,7 +41,10 @@ def package_stamp(package_dir: str) -> str:
     """A hash of every file of ``package_files``: relative path, size, mtime, ctime and inode (stat follows links)."""
     digest = hashlib.sha256()
     for path in package_files(package_dir):
-        st = os.stat(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:  # a dangling link: nothing Triton reads, but its own presence is stamped
+            st = os.lstat(path)
         digest.update(f"{os.path.relpath(path, package_dir)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
                       f"\0{st.st_ino}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
@@ -59,11 +62,7 @@ def kept_key(compute: Callable[[], str], package_dir: str, version: str, path: P
         pass
     key = compute()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # written whole, then renamed
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": version, "stamp": stamp, "key": key}, f)
-        os.replace(tmp, path)
+        write_json_atomic(path, {"version": version, "stamp": stamp, "key": key})
     except Exception:
         pass
     return key
@@ -83,9 +82,9 @@ def install() -> None:
 
     @functools.lru_cache(maxsize=None)
     def triton_key() -> str:
+        if not settings.KEEP_TRITON_KEY.get():  # a bad value raises, naming the variable, as every knob does
+            return compute()
         try:
-            if not settings.KEEP_TRITON_KEY.get():
-                return compute()
             path = settings.CACHE_DIR.get() / "triton-key" / f"{install_id}.json"
             return kept_key(compute, package_dir, triton.__version__, path)
         except Exception:  # every Triton compile in the process reads this: never fail where Triton would not

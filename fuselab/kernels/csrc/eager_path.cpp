@@ -229,7 +229,7 @@ struct MatmulReLU : public torch::autograd::Function<MatmulReLU> {
     return {grad_a, grad_w, grad_bias, Tensor()};
   }
 
-  // create_graph=True, forward-mode AD or a torch.func transform: as _backward_by_torch_needed.
+  // create_graph=True, forward-mode AD or a torch.func transform: as _runtime.backward_by_torch_needed.
   static bool differentiable_backward_needed(const Tensor& grad) {
     return at::GradMode::is_enabled() || functorch_active() || dual_level_open() ||
            grad.key_set().has(c10::DispatchKey::Batched);

@@ -11,7 +11,8 @@ backends in): path, size, modification and change times, inode. While the stamp 
 is used; any change to the package (an upgrade, a rebuild, a file copied in, even with its old
 modification time: its change time is new) computes the key again with Triton's own function and
 rewrites the file. A missing, corrupt or unwritable file, or any error at all here, costs that
-computation and nothing else: Triton's own function answers.
+computation and nothing else: Triton's own function answers. ``FUSELAB_KEEP_TRITON_KEY=0`` leaves the
+key to Triton (read at the first compile; a value that is not a flag raises, naming the variable).
 """
 import functools
 import hashlib
@@ -78,7 +79,7 @@ def install() -> None:
     if hasattr(compute, "triton_own"):
         return
     package_dir = os.path.dirname(os.path.abspath(triton.__file__))
-    install_id = hashlib.sha256(package_dir.encode()).hexdigest()[:16]  # one file per Triton install
+    install_id = hashlib.sha256(os.fsencode(package_dir)).hexdigest()[:16]  # one file per Triton install
 
     @functools.lru_cache(maxsize=None)
     def triton_key() -> str:

@@ -816,6 +816,27 @@ def test_report_ratios_come_from_rows():
     assert "| opt train | bf16 | opt | 40.0 | 32.0 | 1.25 |" in report.render_study(comp)
 
 
+def test_report_views_against_a_named_peer_and_the_loss_headline():
+    # A view against a named peer shows only where that peer was measured; the headline's loss ratios
+    # (x above 1: faster than torch.compile) are ordered by size.
+    res = Results("quant_gemm")
+    res.set_baseline("distill loss", "torch")
+    for shape, (torch_ms, fused_ms, compiled_ms) in (("4096x32000", (8.0, 0.5, 1.0)), ("256x10", (0.07, 0.02, 0.01))):
+        for name, ms in (("torch", torch_ms), ("fuselab fused", fused_ms), ("torch compiled", compiled_ms)):
+            res.record(op="distill loss", provider=name, shape=shape, dtype="bf16", mode="graph", metric="ms", value=ms)
+    view = report.View("ms", index=("shape", "mode"), ops=("distill loss",), baseline="torch compiled",
+                       title="against compiled")
+    spec = report.Spec("Demo", "", views=(view,))
+    assert "### against compiled" in report.render_study(res, spec)
+    without = Results("quant_gemm")
+    without.rows = [r for r in res.rows if r["provider"] != "torch compiled"]
+    page = report.render_study(without, spec)
+    assert "against compiled" not in page and "### distill loss: ms" in page  # the generic table instead
+    line = next(r for r in report.headline_rows({"quant_gemm": res}) if r[0].startswith("DistillationLoss"))
+    assert line[1] == "0.50x at 256x10, 2.00x at 4096x32000"
+    assert [report._size_of_shape((s,))[0] for s in ("8x8", "-", "opt-1.3b 8x1024")] == [0, 1, 1]
+
+
 def test_report_names_the_shapes_where_the_tuner_chose_a_library_call():
     res = Results("demo")
     for shape, config in (("16x11008x4096", "cublas"), ("8192x8192x8192", "BLOCK_M: 128, BLOCK_N: 256, num_warps: 8")):

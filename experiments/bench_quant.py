@@ -310,11 +310,11 @@ def measure_distill(results: Results, shape: str, args, device="cuda") -> None:
             for metric, value in errors.items():
                 results.record(**keys, provider=name, mode="eager", metric=metric, value=value)
         del s64, ref_grad
+        if not providers:
+            return
         s.grad = None
         fns = {name: (lambda loss_fn=loss_fn: loss_fn(s, t, y).backward()) for name, loss_fn in providers.items()}
         for mode in args.modes:
-            if not fns:
-                break
             try:
                 timings = time_alternating(fns, mode, LOSS_ROUNDS, rep_ms=args.rep_ms / LOSS_ROUNDS, grad_to_none=[s])
             except torch.OutOfMemoryError:

@@ -155,7 +155,8 @@ under `torch.compile`, a graph per shape) and `fuselab fused` (`fused=True`: two
 program per row). At C = 10 the eager times are the host's cost per call, not the GPU's."""
 
 QUANT_PROVIDERS = ["_int_mm", "_int_mm row-major B", "_scaled_mm", "_scaled_mm fast accum", "fuselab int8",
-                   "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8", "torch", "fuselab fused"]
+                   "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8", "torch", "torch compiled",
+                   "fuselab fused"]
 
 def _matmul_spec(title: str, cuda_prose: str, command_args: str, plot_suffix: str) -> Spec:
     """The page of ``bench_matmul_relu``'s study, with or without the CUDA C++ reference."""
@@ -373,7 +374,7 @@ call of the op (inputs on the GPU and CUDA initialized before the clock) with an
 covers the shape). Both processes share one fuselab cache, so the warm one also finds the Triton
 compiler key the cold one kept (`fuselab/kernels/_triton_key.py`; Triton would otherwise hash its
 500 MB library again, about half a second). The issue's target, 0.5 s, is met where Triton's cache holds the
-kernel; a cold cache compiles it (LLVM and ptxas), about a second. Runs before the C++ eager path was
+kernel; a cold cache compiles it (LLVM and ptxas): one to two seconds. Runs before the C++ eager path was
 built once ahead of the cases include its build in the cold case. Rows of dtype int8 and fp8 are the
 quantized GEMM's (`--kernel scaled_gemm`), the others the bf16 fused matmul-ReLU's.""",
         command="python -m fuselab.tune --first-call --out results/tune_first_call.json"),

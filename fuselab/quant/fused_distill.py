@@ -243,7 +243,7 @@ def _grad(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, st
     if need_ds or need_dt:
         labelled = (target != IGNORE_INDEX).sum()
         block, warps = _block(c)
-        launch(grad_rows_kernel, (n,), student, teacher, target, labelled, stats, grad.reshape(()).float(), ds, dt, c,
+        launch(grad_rows_kernel, (n,), student, teacher, target, labelled, stats, grad, ds, dt, c,
                student.stride(0), teacher.stride(0), ds.stride(0) if need_ds else 0, dt.stride(0) if need_dt else 0,
                *_weights(n, temperature, alpha), SOFT=alpha > 0.0, HARD=alpha < 1.0, WRITE_DS=need_ds,
                WRITE_DT=need_dt, BLOCK=block, num_warps=warps)

@@ -50,11 +50,13 @@ def train(emb, opt, batches, head=None):
 
 def sum_depth(lookups: torch.Tensor, dim: int) -> torch.Tensor:
     """Additions any one gradient passes through in the kernels' sum of a row looked up L times (additions
-    of exact zeros excepted): the scan inside its chunk, then its tile's sum of at most min(HEADS, chunks)
-    partials, then the tiles one after another."""
+    of exact zeros excepted): the scan inside its chunk (or, for a chunk that is all this row's, which
+    takes L >= CHUNK, a reduction in Triton's order: at most CHUNK - 1 deep), then its tile's sum of at
+    most min(HEADS, chunks) partials, then the tiles one after another."""
     heads = kernel_module._blocks(dim)[3]
     chunks = torch.ceil(lookups / kernel_module.CHUNK) + 1
-    return torch.minimum(lookups - 1, kernel_module.LOG2_CHUNK + 2 + chunks.clamp(max=heads) + chunks / heads)
+    in_chunk = torch.where(lookups >= kernel_module.CHUNK, kernel_module.CHUNK - 1, kernel_module.LOG2_CHUNK)
+    return torch.minimum(lookups - 1, in_chunk + 2 + chunks.clamp(max=heads) + chunks / heads)
 
 
 def reference_update(p, m, v, idx, values, step, lr, betas, eps, weight_decay, maximize=False, depth=sum_depth):

@@ -7,7 +7,10 @@ lookup, so a row looked up L times appears L times, anywhere in the list. One st
    one contiguous *segment* of the sorted positions, in lookup order.
 2. ``segment_kernel``: the sorted positions are cut into chunks of CHUNK. One program per chunk and
    block of columns gathers its chunk's gradient rows through the sort's permutation and sums each
-   segment's piece of the chunk with a segmented scan (log2(CHUNK) shift-and-add steps). A segment
+   segment's piece of the chunk with a segmented scan (log2(CHUNK) shift-and-add steps; the scan is
+   most of the kernel's instructions, so a chunk that is one piece is summed by a reduction instead,
+   one whose lanes are each a piece of their own is not summed, and a chunk where no segment ends
+   skips the AdamW arithmetic). A segment
    that starts and ends in the chunk is complete: the program applies AdamW to its row at once. A
    segment that crosses a chunk boundary leaves the sums of its pieces in a scratch buffer: its
    *tail* (the piece that ends its first chunk) and one *head* (the piece that starts the chunk) for
@@ -15,8 +18,8 @@ lookup, so a row looked up L times appears L times, anywhere in the list. One st
 3. ``crossing_kernel``: for each crossing segment, the program of the chunk where it starts adds its
    tail and the heads of the following chunks, in chunk order, HEADS at a time, then updates the row.
 
-Each row is updated by exactly one program; the summation tree (the scan inside a chunk, then the
-chunk partials in order) depends only on the ids, so the sums are bitwise the same whatever order
+Each row is updated by exactly one program; the summation tree (the scan or reduction inside a chunk,
+then the chunk partials in order) depends only on the ids, so the sums are bitwise the same whatever order
 the programs run in. Nothing reads a size back to the host (the grids depend on the number of
 lookups and the row size only) and the step count is read on the device, so a whole training step
 can be captured in a CUDA graph.
@@ -135,12 +138,16 @@ def segment_kernel(
     src = tl.load(order_ptr + pos, mask=live, other=0).to(tl.int64)
     g = tl.load(values_ptr + src[:, None] * stride_g + cols[None, :], mask=live[:, None] & in_row[None, :],
                 other=0.0).to(tl.float32)
-    # Segmented inclusive scan: after step k each lane holds the sum of the last 2**(k+1) lanes of its piece.
-    for k in tl.static_range(LOG2_CHUNK):
-        from_lane = tl.maximum(lane - (1 << k), 0)
-        same = (lane >= (1 << k)) & (tl.gather(piece, from_lane, 0) == piece)
-        shifted = tl.gather(g, tl.broadcast_to(from_lane[:, None], (CHUNK, BLOCK_D)), 0)
-        g = tl.where(same[:, None], g + shifted, g)
+    pieces = tl.max(piece, axis=0)
+    if pieces == 1:  # one piece (inside a row's long segment): its sum at every lane
+        g = tl.broadcast_to(tl.sum(g, axis=0)[None, :], (CHUNK, BLOCK_D))
+    elif pieces < CHUNK:  # pieces == CHUNK: every lane its own piece, nothing to add
+        # Segmented inclusive scan: after step k each lane holds the sum of the last 2**(k+1) lanes of its piece.
+        for k in tl.static_range(LOG2_CHUNK):
+            from_lane = tl.maximum(lane - (1 << k), 0)
+            same = (lane >= (1 << k)) & (tl.gather(piece, from_lane, 0) == piece)
+            shifted = tl.gather(g, tl.broadcast_to(from_lane[:, None], (CHUNK, BLOCK_D)), 0)
+            g = tl.where(same[:, None], g + shifted, g)
     # The chunk's first piece belongs to a segment that began in an earlier chunk ("joined").
     first = tl.load(ids_ptr + c * CHUNK)
     joined = (first == tl.load(ids_ptr + c * CHUNK - 1, mask=c > 0, other=-1)) & (piece == 1)
@@ -151,9 +158,10 @@ def segment_kernel(
              mask=(head | tail)[:, None] & in_row[None, :])
     done = ~joined & seg_end & live  # segments that start and end in this chunk
     rows = ids.to(tl.int64)[:, None]
-    _adamw(param_ptr + rows * stride_p + cols[None, :], exp_avg_ptr + rows * stride_m + cols[None, :],
-           exp_avg_sq_ptr + rows * stride_v + cols[None, :], g, done[:, None] & in_row[None, :], step_ptr,
-           lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay, MAXIMIZE)
+    if tl.max(done.to(tl.int32), axis=0) == 1:  # no row ends here: no update to compute
+        _adamw(param_ptr + rows * stride_p + cols[None, :], exp_avg_ptr + rows * stride_m + cols[None, :],
+               exp_avg_sq_ptr + rows * stride_v + cols[None, :], g, done[:, None] & in_row[None, :], step_ptr,
+               lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay, MAXIMIZE)
 
 
 @triton.jit

@@ -4,6 +4,7 @@ quantize_ with every config and its report, calibration, state_dict size, Distil
 
 On a CPU the Triton kernels run in the interpreter (conftest); on a GPU run `pytest -m gpu tests/test_quant.py`.
 """
+import functools
 import importlib
 import os
 import subprocess
@@ -509,31 +510,46 @@ _RUN_AOTI_PACKAGE = textwrap.dedent("""
 """)
 
 
+def _run_aoti_package(tmp_path, name):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", _RUN_AOTI_PACKAGE, str(tmp_path), name],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_aoti_package_crashes(tmp_path) -> bool:
+    """Whether the package of a torch.nn model without fuselab ops crashes a fresh process (once a session)."""
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 10)).cuda().to(torch.bfloat16)
+    x = torch.randn(7, 24, device="cuda", dtype=torch.bfloat16)
+    ep = torch.export.export(model, (x,))
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "plain.aoti.pt2"))
+    torch.save(x, tmp_path / "plain.x.pt")
+    return _run_aoti_package(tmp_path, "plain").returncode < 0
+
+
 @pytest.mark.gpu
-def test_aoti_package_runs_in_a_process_without_fuselab(tmp_path):
+@pytest.mark.parametrize("name", ["int8-dynamic", "fp8"])
+def test_aoti_package_runs_in_a_process_without_fuselab(tmp_path, tmp_path_factory, name):
     # The CUDA model's deployment: torch.export, then an AOTInductor package (compiled kernels and their
     # C++ launcher, fuselab's Triton kernels included); a process that never imports fuselab runs it.
-    names, outputs = ["int8-dynamic", "fp8"], {}
-    for name in names:
-        if name == "fp8" and torch.cuda.get_device_capability() < (8, 9):
-            names.remove(name)
-            continue
-        model, x = _mlp(), torch.randn(7, 24)
-        model, x = model.cuda().to(torch.bfloat16), x.cuda().to(torch.bfloat16)
-        quantize_(model, _config(name, model, x))
-        ep = torch.export.export(model, (x,))
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / f"{name}.aoti.pt2"))
-        torch.save(x, tmp_path / f"{name}.x.pt")
-        with torch.no_grad():
-            outputs[name] = model(x).float().cpu()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _RUN_AOTI_PACKAGE, str(tmp_path), *names],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    if name == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9 or newer")
+    model, x = _mlp(), torch.randn(7, 24)
+    model, x = model.cuda().to(torch.bfloat16), x.cuda().to(torch.bfloat16)
+    quantize_(model, _config(name, model, x))
+    ep = torch.export.export(model, (x,))
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / f"{name}.aoti.pt2"))
+    torch.save(x, tmp_path / f"{name}.x.pt")
+    with torch.no_grad():
+        expected = model(x).float().cpu()
+    result = _run_aoti_package(tmp_path, name)
+    if result.returncode < 0 and _plain_aoti_package_crashes(tmp_path_factory.getbasetemp()):
+        pytest.skip(f"AOTInductor packages crash this machine's loader (signal {-result.returncode}): a plain "
+                    f"torch.nn model's package (no fuselab op) crashes it too, torch {torch.__version__}")
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in names:
-        loaded = torch.load(tmp_path / f"{name}.aoti.out.pt").float()
-        expected = outputs[name]  # the same kernels may differ in their tiles only: a few bf16 roundings
-        torch.testing.assert_close(loaded, expected, rtol=2**-6, atol=2**-6 * expected.abs().max().item())
+    loaded = torch.load(tmp_path / f"{name}.aoti.out.pt").float()
+    # the same kernels may differ in their tiles only: a few bf16 roundings
+    torch.testing.assert_close(loaded, expected, rtol=2**-6, atol=2**-6 * expected.abs().max().item())
 
 
 # ----------------------------------------------------------------------------------------------

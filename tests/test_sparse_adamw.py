@@ -50,12 +50,12 @@ def train(emb, opt, batches, head=None):
 
 def sum_depth(lookups: torch.Tensor, dim: int) -> torch.Tensor:
     """Additions any one gradient passes through in the kernels' sum of a row looked up L times (additions
-    of exact zeros excepted): the scan inside its chunk (or, for a chunk that is all this row's, which
-    takes L >= CHUNK, a reduction in Triton's order: at most CHUNK - 1 deep), then its tile's sum of at
-    most min(HEADS, chunks) partials, then the tiles one after another."""
+    of exact zeros excepted): the scan inside its chunk (log2(CHUNK) deep) or, where a chunk holds this row
+    only (a short last chunk too), Triton's reduction in an order it does not promise (up to min(L, CHUNK)
+    - 1 deep); then its tile's sum of at most min(HEADS, chunks) partials, then the tiles one after another."""
     heads = kernel_module._blocks(dim)[3]
     chunks = torch.ceil(lookups / kernel_module.CHUNK) + 1
-    in_chunk = torch.where(lookups >= kernel_module.CHUNK, kernel_module.CHUNK - 1, kernel_module.LOG2_CHUNK)
+    in_chunk = (lookups.clamp(max=kernel_module.CHUNK) - 1).clamp(min=kernel_module.LOG2_CHUNK)
     return torch.minimum(lookups - 1, in_chunk + 2 + chunks.clamp(max=heads) + chunks / heads)
 
 
@@ -191,6 +191,19 @@ def test_chunk_edges(device, lookups, rows):
     values = torch.randn(lookups, 20, device=device)
     state = random_state(5, 20, torch.float32, device)
     check_update(state, fused_step(state, idx, values, 2, HP), idx, values, 2, HP, what=f"{lookups} lookups")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lookups", [40, 64, 128])
+def test_a_chunk_of_one_row_is_summed_in_a_tree(device, lookups):
+    # Every position of a chunk on one row (a short last chunk too): one large gradient then many just under
+    # half an ulp of it, the order in which a sequential sum loses each of them: the reduction of such a
+    # chunk stays within the depth sum_depth allows it.
+    idx = torch.full((lookups,), 3, device=device)
+    values = torch.full((lookups, 16), 0.49 * 2.0**-24, device=device)
+    values[::kernel_module.CHUNK] = 1.0
+    state = [torch.zeros(5, 16, device=device) for _ in range(3)]
+    check_update(state, fused_step(state, idx, values, 1, HP), idx, values, 1, HP, what=f"{lookups} lookups")
 
 
 def keep_each_rows_order(idx: torch.Tensor) -> torch.Tensor:

@@ -635,3 +635,30 @@ def test_a_linear_with_extra_state_is_left_alone_and_modes_are_kept():
     assert report.fused == ["2"] and "holds scale besides its weight and bias" in report.skipped["0"]
     assert list(model.state_dict()) == keys  # the buffer would have vanished with the swap
     assert not any(m.training for m in model.modules())  # the fused layer and its Identity: eval, as the model
+
+
+class _UnusedState(nn.Module):
+    """A forward that fx can rewrite, beside state it never reads (an auxiliary head, an EMA buffer)."""
+
+    def __init__(self, unused: bool = True):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+        if unused:
+            self.aux = nn.Linear(4, 2)
+            self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        return self.out(F.relu(self.fc(x)))
+
+
+def test_the_fx_path_refuses_a_model_whose_unused_state_or_state_dict_hooks_it_would_drop():
+    model = _UnusedState()
+    patched, report = fuse_linear_relu(model)
+    assert patched is model and not report.fused
+    assert "does not use aux.bias, aux.weight, ema" in report.skipped["fc"]
+    hooked = _UnusedState(unused=False)
+    hooked.register_state_dict_post_hook(lambda module, sd, prefix, meta: sd.update({prefix + "version": 2}))
+    patched, report = fuse_linear_relu(hooked)
+    assert patched is hooked and "hooks (state_dict_hooks)" in report.skipped["fc"]
+    patched, report = fuse_linear_relu(_UnusedState(unused=False))  # the same forward, nothing to drop: fused
+    assert report.fused == ["fc"] and set(patched.state_dict()) == {"fc.weight", "fc.bias", "out.weight", "out.bias"}

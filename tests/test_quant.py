@@ -4,6 +4,7 @@ quantize_ with every config and its report, calibration, state_dict size, Distil
 
 On a CPU the Triton kernels run in the interpreter (conftest); on a GPU run `pytest -m gpu tests/test_quant.py`.
 """
+import copy
 import functools
 import importlib
 import os
@@ -1173,3 +1174,95 @@ def test_dtype_casts_keep_quantized_weights_and_scales():
     q = q.to(torch.bfloat16)
     assert q[0].weight.dtype == torch.int8 and q[0].weight_scale.dtype == torch.float32
     assert q(torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# Misuse a researcher hits: other checkpoints, other dtypes, gradients, tied weights, odd scalars
+# ----------------------------------------------------------------------------------------------
+
+
+def _quantized_copies(model):
+    copies = {}
+    for name, config in (("int8", Int8DynamicActivationInt8WeightConfig()), ("fp8", Float8RowwiseConfig())):
+        copies[name] = copy.deepcopy(model)
+        quantize_(copies[name], config)
+    return copies
+
+
+def test_a_checkpoint_of_another_format_is_refused_on_load():
+    # load_state_dict casts: an fp8 checkpoint would wrap into int8 weights (and back), a float one truncate.
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    q = _quantized_copies(model)
+    for into, source in (("int8", "fp8"), ("fp8", "int8")):
+        with pytest.raises(RuntimeError, match=r"0\.weight: the checkpoint holds .* where this"):
+            q[into].load_state_dict(q[source].state_dict())
+    with pytest.raises(RuntimeError, match="torch.float32 where this Int8Linear holds torch.int8"):
+        q["int8"].load_state_dict(model.state_dict(), strict=False)
+    again = _quantized_copies(model)["int8"]  # the same format loads
+    again.load_state_dict(q["int8"].state_dict())
+    assert torch.equal(again[0].weight, q["int8"][0].weight)
+
+
+def test_a_calibration_taken_in_fp32_serves_the_model_cast_to_bf16_and_a_foreign_one_changes_nothing():
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    calib = calibrate(model, [torch.randn(4, 16)], 1, progress=False)
+    cast = copy.deepcopy(model).to(torch.bfloat16)
+    report = quantize_(cast, Int8StaticActivationInt8WeightConfig(calib.act_scales()), calibration=calib)
+    assert set(report.errors) == {"0", "2"} and all(0 < e < 0.1 for e in report.errors.values())
+    other = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 4))
+    foreign = calibrate(other, [torch.randn(4, 12)], 1, progress=False)
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="calibration sample of '0'.*nothing was changed"):
+        quantize_(model, Int8DynamicActivationInt8WeightConfig(), calibration=foreign)
+    assert all(type(a) is type(b) for a, b in zip(model, before))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_backward_through_a_quantized_layer_raises_instead_of_dropping_gradients(kind):
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig() if kind == "int8" else Float8RowwiseConfig(),
+              filter_fn=lambda name, layer: name == "2")
+    out = model(torch.randn(3, 16))  # the forward runs with grad enabled
+    with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(3, 16)), model(torch.ones(3, 16)))
+
+
+def test_a_tied_weight_is_reported_as_untied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    report = quantize_(Tied(), Int8DynamicActivationInt8WeightConfig())
+    assert "tied to embed: that tie is broken" in report.replaced["head"]
+
+
+def test_distillation_loss_takes_numpy_and_tensor_scalars_but_not_a_learned_temperature():
+    numpy = pytest.importorskip("numpy")
+    loss = DistillationLoss(numpy.float32(2.0), torch.tensor(0.5))
+    assert (loss.temperature, loss.alpha) == (2.0, 0.5) and type(loss.temperature) is float
+    with pytest.raises(TypeError, match="requires grad"):
+        DistillationLoss(torch.tensor(2.0, requires_grad=True))
+
+
+def test_calibrate_refuses_inf_and_reads_a_keyword_input():
+    model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="holds inf"):
+        calibrate(model, [torch.tensor([[1.0, float("inf"), 0.0, 0.0]])], 1, progress=False)
+
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(input=x)
+
+    calib = calibrate(Keyword(), [torch.full((2, 4), 3.0)], 1, progress=False)
+    assert calib.absmax["fc"] == 3.0

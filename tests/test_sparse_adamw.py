@@ -1003,3 +1003,16 @@ def test_graphs_inside_a_callers_capture_take_the_plain_path():
     opt = SparseAdamW(emb.parameters(), graphs=True, **HP)
     train_in_a_cuda_graph(emb, opt, batches)
     assert not any(opt._graphs.values()) and torch.equal(emb.weight, ref.weight)
+
+
+def test_a_sparse_adam_state_dict_loads_and_steps():
+    # torch.optim.SparseAdam's groups lack SparseAdamW's options (taken from this optimizer's own defaults)
+    # and count steps in a Python int.
+    emb = embedding(10, 4, "cpu", torch.float32)
+    sparse_adam = torch.optim.SparseAdam(emb.parameters(), lr=0.01)
+    train(emb, sparse_adam, [torch.tensor([1, 2, 2])])
+    opt = SparseAdamW(emb.parameters(), lr=0.01, weight_decay=0.0)
+    opt.load_state_dict(sparse_adam.state_dict())
+    train(emb, opt, [torch.tensor([1, 3])])
+    assert opt.param_groups[0]["weight_decay"] == 0.0 and opt.param_groups[0]["amsgrad"] is False
+    assert torch.equal(opt.state[emb.weight]["step"], torch.tensor(2.0))

@@ -335,9 +335,13 @@ def _snapshot_hazard(model: nn.Module) -> Optional[str]:
         if name and leaf(module, name):
             continue
         where = name or "the model"
-        hooks = [k.strip("_") for k, v in vars(module).items() if k.endswith("_hooks") and v and "state_dict" not in k]
+        hooks = [k.strip("_") for k, v in vars(module).items() if k.endswith("_hooks") and v]
         if hooks:
             return f"{where} has hooks ({', '.join(hooks)}) that the rewritten GraphModule would drop"
+        overrides = [k for k in ("state_dict", "load_state_dict", "_save_to_state_dict", "_load_from_state_dict")
+                     if getattr(type(module), k) is not getattr(nn.Module, k)]
+        if overrides:
+            return f"{where} overrides {', '.join(overrides)}, which the rewritten GraphModule would not have"
         plain = [k for k in vars(module) if not k.startswith("_") and k != "training"]
         if plain:
             return (f"{where} keeps Python attributes ({', '.join(plain)}) that a torch.fx graph would freeze "
@@ -375,6 +379,14 @@ def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:
         return model, str(e)
     except Exception as e:  # noqa: BLE001  dynamic control flow etc.: say so, change nothing
         return model, f"model not traceable by torch.fx ({type(e).__name__})"
+    # A GraphModule holds what its graph reads: parameters, buffers and modules the forward leaves unused
+    # (an EMA buffer, an auxiliary head) would vanish from the model and its state dict.
+    kept = {*dict(gm.named_parameters()), *dict(gm.named_buffers()), *gm.state_dict()}
+    dropped = sorted({*dict(model.named_parameters()), *dict(model.named_buffers()), *model.state_dict()} - kept)
+    if dropped:
+        more = f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+        return model, (f"the forward does not use {', '.join(dropped[:3])}{more}: the rewritten GraphModule "
+                       "would drop them (and their state dict entries)")
     report.fused = fuse_relu_matmul(gm, filter_fn, report.skipped)
     if not report.fused:
         return model, "not followed by ReLU, or its output is used elsewhere (fx graph)"

@@ -223,8 +223,12 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:  # a state dict saved before the option existed
-            group.setdefault("graphs", False)
+        for group in self.param_groups:  # a state dict saved before an option existed, or by torch.optim.SparseAdam
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        for param_state in self.state.values():  # SparseAdam (and old AdamW) count steps in a Python int
+            if "step" in param_state and not isinstance(param_state["step"], torch.Tensor):
+                param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32)
         self._graphs, self._last_key, self._failed_captures = {}, {}, {}  # not pickled: captured again
 
 

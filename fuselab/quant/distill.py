@@ -7,6 +7,7 @@ The T^2 factor keeps the soft term's gradient on the scale of the hard term's as
 soft gradients shrink as 1/T^2).
 """
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,14 @@ class DistillationLoss(nn.Module):
         super().__init__()
         if isinstance(temperature, bool) or isinstance(alpha, bool):
             raise TypeError(f"temperature and alpha must be numbers, got {temperature!r} and {alpha!r}")
+        for name, value in (("temperature", temperature), ("alpha", alpha)):
+            if isinstance(value, torch.Tensor) and value.requires_grad:  # float() would drop its gradient
+                raise TypeError(f"{name} must be a number, not a tensor that requires grad (a learned {name} is "
+                                "not supported)")
+        # numpy scalars and one-element tensors are numbers too (a config file's or a schedule's)
+        temperature, alpha = (float(v) if isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1
+                                                                          and not v.is_complex()) else v
+                              for v in (temperature, alpha))
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be True or False, got {fused!r}")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):

@@ -29,6 +29,17 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a quantized layer (fuselab.quant) has no backward: quantized models are for inference "
+                           "(run them under torch.no_grad() or torch.inference_mode(); train the float model)")
+
+
 class _QuantizedLinear(nn.Module):
     """Buffers and repr shared by the quantized layers."""
 
@@ -43,6 +54,26 @@ class _QuantizedLinear(nn.Module):
     def _load_float(self, linear: nn.Linear, quantize) -> None:
         self.weight, self.weight_scale = quantize(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # load_state_dict would cast: an fp8 (or float) checkpoint's weight silently wrapped into int8.
+        for name in ("weight", "weight_scale", "act_scale"):
+            own, key = self._buffers.get(name), prefix + name
+            if own is not None and key in state_dict and state_dict[key].dtype != own.dtype:
+                error_msgs.append(f"{key}: the checkpoint holds {state_dict[key].dtype} where this "
+                                  f"{type(self).__name__} holds {own.dtype} (a checkpoint of another quantization "
+                                  f"or of the float model: quantize the model it came from the same way)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    @staticmethod
+    def _inference_only(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y``, whose backward raises where ``x`` wants a gradient (rounding has none: the layers
+        before would silently get no gradient)."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _NoBackward.apply(x, y)
+        return y
 
     def _apply(self, fn, recurse=True):
         # .to(dtype)/.half() on a quantized model: quantized weights and fp32 scales keep their dtypes
@@ -84,7 +115,8 @@ class Int8Linear(_QuantizedLinear):
             xq, x_scale = quantize_int8_rowwise(x)
         else:
             xq, x_scale = quantize_int8_static(x, self.act_scale), self.act_scale
-        return int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
+        y = int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
+        return self._inference_only(y, x)
 
 
 class Float8Linear(_QuantizedLinear):
@@ -103,7 +135,8 @@ class Float8Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = _output_dtype(x)
         xq, x_scale = quantize_fp8_rowwise(x)
-        return fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
+        y = fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
+        return self._inference_only(y, x)
 
 
 def why_not_int8_conv2d(conv: nn.Conv2d) -> Optional[str]:
@@ -162,7 +195,8 @@ class Int8Conv2d(_QuantizedLinear):
         y = int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, False, out_dtype)
         y = y.view(n, ho, wo, self.out_channels).permute(0, 3, 1, 2)
         channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        return y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        y = y.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        return self._inference_only(y, x)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

@@ -186,11 +186,15 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
     samples: Dict[str, List[torch.Tensor]] = {}
 
     def record(name):
-        def hook(module, args):
-            x = args[0].detach()
+        def hook(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()), None)  # fc(x) or fc(input=x)
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"calibrate: {name!r} was called without a tensor input")
+            x = x.detach()
             largest = x.abs().max().item() if x.numel() else 0.0
-            if largest != largest:  # NaN: max() would drop it and the scale would silently shrink
-                raise ValueError(f"calibrate: the input of {name!r} holds NaN in batch {seen}: "
+            if not math.isfinite(largest):  # NaN: max() drops it (the scale would shrink); inf: no scale
+                value = "NaN" if largest != largest else largest
+                raise ValueError(f"calibrate: the input of {name!r} holds {value} in batch {seen}: "
                                  "its range cannot be measured")
             absmax[name] = max(absmax.get(name, 0.0), largest)
             have = sum(s.shape[0] for s in samples.get(name, []))
@@ -205,7 +209,7 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
         raise ValueError("calibrate: the model has no nn.Linear (or Conv1D) layer to observe"
                          + (f"; its {quantized} quantized layer(s) say it was quantized already: calibrate the "
                             "float model" if quantized else ""))
-    handles = [m.register_forward_pre_hook(record(name)) for name, m in layers]
+    handles = [m.register_forward_pre_hook(record(name), with_kwargs=True) for name, m in layers]
     training = {m: m.training for m in model.modules()}
     seen = 0
     try:
@@ -349,8 +353,10 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     makes such pairs FusedLinearReLU, which this fuses into the epilogue. A layer shared by several
     parents is replaced everywhere by one quantized layer. Returns the report (layers already
     quantized are listed as left alone); raises TypeError for an unknown config type, a config class
-    passed for an instance and a ``calibration`` that is not a Calibration; if ``filter_fn`` raises,
-    nothing is changed.
+    passed for an instance and a ``calibration`` that is not a Calibration, ValueError for a calibration
+    sample that the layer of its name cannot take (calibrated on another model); then, or if ``filter_fn``
+    or a conversion raises, nothing is changed. A replaced layer whose weight was tied to another module's
+    is untied (the report says so). Quantized layers are for inference: a backward through one raises.
     """
     if isinstance(config, type) and config in _HANDLERS:
         raise TypeError(f"quantize_ takes a config instance, e.g. {config.__name__}(), not the class")
@@ -375,14 +381,45 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
             planned.append((name, layer, parents))
     if _accounted(model):
         report.skipped[""] = "the model itself: quantize_ replaces submodules in place"
-    # Every decision is made: conversions and assignments from here on.
+    # Every decision is made: conversions (and the errors on calibration data) next, all before any
+    # assignment, so that a conversion or a calibration sample that fails leaves the model as it was.
+    tied = _tied_elsewhere(model)
+    converted = []
     for name, layer, parents in planned:
         relu = type(layer) in _RELU_FUSED
         quantized = handler.convert(layer, relu, name, config)
+        what = f"{type(quantized).__name__}" + (" (ReLU fused into the epilogue)" if relu else "")
+        if id(layer.weight) in tied and tied[id(layer.weight)] != {name}:
+            others = ", ".join(sorted(tied[id(layer.weight)] - {name}))
+            what += f"; its weight was tied to {others}: that tie is broken (those keep the float weight)"
+        sample = calibration.samples.get(name) if calibration is not None else None
+        error = None if sample is None else _calibration_error(name, layer, quantized, sample)
+        converted.append((name, parents, quantized, what, error))
+    for name, parents, quantized, what, error in converted:
         for parent, key in parents:
             setattr(parent, key, quantized)
-        report.replaced[name] = f"{type(quantized).__name__}" + (" (ReLU fused into the epilogue)" if relu else "")
-        sample = calibration.samples.get(name) if calibration is not None else None
-        if sample is not None:
-            report.errors[name] = relative_error(layer, quantized, sample.to(layer.weight.device))
+        report.replaced[name] = what
+        if error is not None:
+            report.errors[name] = error
     return report
+
+
+def _tied_elsewhere(model: nn.Module) -> Dict[int, set]:
+    """id(parameter) -> the names of the modules that hold it, for parameters more than one module holds."""
+    holders: Dict[int, set] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(module_name)
+    return {k: v for k, v in holders.items() if len(v) > 1}
+
+
+def _calibration_error(name: str, layer: nn.Module, quantized: nn.Module, sample: torch.Tensor) -> float:
+    """``relative_error`` on a calibration sample moved to the layer's device and dtype (a model calibrated
+    in fp32 and cast to bf16 after), or a ValueError if the sample is not an input this layer takes."""
+    x = sample.to(device=layer.weight.device, dtype=layer.weight.dtype)
+    try:
+        return relative_error(layer, quantized, x)
+    except RuntimeError as e:
+        raise ValueError(f"quantize_: the calibration sample of {name!r} (shape {tuple(sample.shape)}) is not an "
+                         f"input {type(layer).__name__} {name!r} takes (was it calibrated on another model?): {e}; "
+                         "nothing was changed") from e

@@ -1223,6 +1223,7 @@ def test_a_backward_through_a_quantized_layer_raises_instead_of_dropping_gradien
     quantize_(model, Int8DynamicActivationInt8WeightConfig() if kind == "int8" else Float8RowwiseConfig(),
               filter_fn=lambda name, layer: name == "2")
     out = model(torch.randn(3, 16))  # the forward runs with grad enabled
+    out += 1  # in place after the layer: legal (its output is no view)
     with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
         out.sum().backward()
     with torch.no_grad():
@@ -1240,7 +1241,23 @@ def test_a_tied_weight_is_reported_as_untied():
             return self.head(self.embed(ids))
 
     report = quantize_(Tied(), Int8DynamicActivationInt8WeightConfig())
-    assert "tied to embed: that tie is broken" in report.replaced["head"]
+    assert "shared with embed: the quantized layer holds its own copy" in report.replaced["head"]
+    aliased = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    aliased.head = aliased[0]  # one layer under two names: replaced at both, nothing shared
+    report = quantize_(aliased, Int8DynamicActivationInt8WeightConfig())
+    assert report.replaced == {"0": "Int8Linear"} and aliased.head is aliased[0]
+
+
+def test_a_static_layer_built_under_a_16_bit_default_dtype_loads_an_fp32_checkpoint():
+    saved = Int8Linear(4, 3, static=True).state_dict()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as transformers' from_pretrained(torch_dtype=...) does
+    try:
+        layer = Int8Linear(4, 3, static=True)
+    finally:
+        torch.set_default_dtype(default)
+    layer.load_state_dict(saved)
+    assert layer.act_scale.dtype == torch.float32
 
 
 def test_distillation_loss_takes_numpy_and_tensor_scalars_but_not_a_learned_temperature():

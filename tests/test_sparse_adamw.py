@@ -1011,8 +1011,8 @@ def test_a_sparse_adam_state_dict_loads_and_steps():
     emb = embedding(10, 4, "cpu", torch.float32)
     sparse_adam = torch.optim.SparseAdam(emb.parameters(), lr=0.01)
     train(emb, sparse_adam, [torch.tensor([1, 2, 2])])
-    opt = SparseAdamW(emb.parameters(), lr=0.01, weight_decay=0.0)
-    opt.load_state_dict(sparse_adam.state_dict())
+    opt = SparseAdamW([{"params": emb.parameters(), "weight_decay": 0.1}], lr=0.01, weight_decay=0.0)
+    opt.load_state_dict(sparse_adam.state_dict())  # options it lacks: the replaced group's, not the defaults
     train(emb, opt, [torch.tensor([1, 3])])
-    assert opt.param_groups[0]["weight_decay"] == 0.0 and opt.param_groups[0]["amsgrad"] is False
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[0]["amsgrad"] is False
     assert torch.equal(opt.state[emb.weight]["step"], torch.tensor(2.0))

@@ -254,7 +254,8 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Option
     filter_fn = filter_fn or _accept_all
     report = FusionReport()
     swaps = _plan_hf_blocks(model, filter_fn, report) + _plan_sequentials(model, filter_fn, report)
-    result, others = model, "not followed by ReLU in a known block or Sequential"
+    result, others = model, ("not followed by a ReLU module in a known block or Sequential (the torch.fx path, "
+                             "which also sees functional ReLUs, runs only where module patching fused nothing)")
     if swaps:  # every decision is made: only assignments from here on
         for name, parent, layer_key, make_fused, act_key in swaps:
             training = getattr(parent, layer_key).training
@@ -370,23 +371,28 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
 
 def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:
     """The fx path: (the rewritten GraphModule, or ``model``; why other Linear layers were left alone)."""
+    refused = "no ReLU module after it, and the torch.fx path (functional ReLUs) could not run: "
     hazard = _snapshot_hazard(model)
     if hazard is not None:
-        return model, hazard
+        return model, refused + hazard
     try:
         gm = _trace(model)
     except _Unfaithful as e:
-        return model, str(e)
+        return model, refused + str(e)
     except Exception as e:  # noqa: BLE001  dynamic control flow etc.: say so, change nothing
-        return model, f"model not traceable by torch.fx ({type(e).__name__})"
+        return model, refused + f"model not traceable by torch.fx ({type(e).__name__})"
     # A GraphModule holds what its graph reads: parameters, buffers and modules the forward leaves unused
     # (an EMA buffer, an auxiliary head) would vanish from the model and its state dict.
-    kept = {*dict(gm.named_parameters()), *dict(gm.named_buffers()), *gm.state_dict()}
-    dropped = sorted({*dict(model.named_parameters()), *dict(model.named_buffers()), *model.state_dict()} - kept)
-    if dropped:
-        more = f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
-        return model, (f"the forward does not use {', '.join(dropped[:3])}{more}: the rewritten GraphModule "
-                       "would drop them (and their state dict entries)")
+    kept = {id(t) for t in (*gm.parameters(), *gm.buffers())}
+    unused = sorted(n for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) not in kept)
+    keys = sorted(set(model.state_dict()) - set(gm.state_dict()))
+    if unused or keys:
+        names = unused or keys
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        what = (f"the forward does not use {', '.join(names[:3])}{more}: the rewritten GraphModule would not "
+                "have them" if unused else f"the rewritten GraphModule's state dict would lack {', '.join(names[:3])}"
+                f"{more} (a module under two names, say)")
+        return model, refused + what
     report.fused = fuse_relu_matmul(gm, filter_fn, report.skipped)
     if not report.fused:
         return model, "not followed by ReLU, or its output is used elsewhere (fx graph)"

@@ -221,10 +221,20 @@ class SparseAdamW(torch.optim.Optimizer):
         step += 1
         sparse_adamw_update_(*rows, indices, values, step, *hyper)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # A group saved without some option (before it existed, or by torch.optim.SparseAdam) keeps the
+        # value of the group it replaces (see __setstate__), not the constructor's default.
+        self._replaced_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            del self._replaced_groups
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:  # a state dict saved before an option existed, or by torch.optim.SparseAdam
-            for key, value in self.defaults.items():
+        replaced = getattr(self, "_replaced_groups", [])
+        for i, group in enumerate(self.param_groups):
+            for key, value in (replaced[i] if i < len(replaced) else self.defaults).items():
                 group.setdefault(key, value)
         for param_state in self.state.values():  # SparseAdam (and old AdamW) count steps in a Python int
             if "step" in param_state and not isinstance(param_state["step"], torch.Tensor):

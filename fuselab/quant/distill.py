@@ -40,6 +40,8 @@ class DistillationLoss(nn.Module):
             if isinstance(value, torch.Tensor) and value.requires_grad:  # float() would drop its gradient
                 raise TypeError(f"{name} must be a number, not a tensor that requires grad (a learned {name} is "
                                 "not supported)")
+            if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+                raise TypeError(f"{name} must be a number, got {value!r}")
         # numpy scalars and one-element tensors are numbers too (a config file's or a schedule's)
         temperature, alpha = (float(v) if isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1
                                                                           and not v.is_complex()) else v

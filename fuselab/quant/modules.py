@@ -31,8 +31,9 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _NoBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y):
-        return y.view_as(y)
+    def forward(ctx, x, boxed):
+        # y comes boxed and leaves detached: not a view of an input (in-place ops after the layer stay legal)
+        return boxed[0].detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -71,8 +72,8 @@ class _QuantizedLinear(nn.Module):
     def _inference_only(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, whose backward raises where ``x`` wants a gradient (rounding has none: the layers
         before would silently get no gradient)."""
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _NoBackward.apply(x, y)
+        if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+            return _NoBackward.apply(x, [y])
         return y
 
     def _apply(self, fn, recurse=True):
@@ -97,7 +98,7 @@ class Int8Linear(_QuantizedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, relu: bool = False,
                  static: bool = False, device=None):
         super().__init__(in_features, out_features, bias, relu, torch.int8, device=device)
-        self.register_buffer("act_scale", torch.ones((), device=device) if static else None)
+        self.register_buffer("act_scale", torch.ones((), dtype=torch.float32, device=device) if static else None)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, relu: bool = False, act_scale: Optional[float] = None) -> "Int8Linear":

@@ -355,8 +355,8 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     quantized are listed as left alone); raises TypeError for an unknown config type, a config class
     passed for an instance and a ``calibration`` that is not a Calibration, ValueError for a calibration
     sample that the layer of its name cannot take (calibrated on another model); then, or if ``filter_fn``
-    or a conversion raises, nothing is changed. A replaced layer whose weight was tied to another module's
-    is untied (the report says so). Quantized layers are for inference: a backward through one raises.
+    or a conversion raises, nothing is changed. A replaced layer whose weight another module shares gets
+    its own copy (the report says so). Quantized layers are for inference: a backward through one raises.
     """
     if isinstance(config, type) and config in _HANDLERS:
         raise TypeError(f"quantize_ takes a config instance, e.g. {config.__name__}(), not the class")
@@ -383,15 +383,15 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
         report.skipped[""] = "the model itself: quantize_ replaces submodules in place"
     # Every decision is made: conversions (and the errors on calibration data) next, all before any
     # assignment, so that a conversion or a calibration sample that fails leaves the model as it was.
-    tied = _tied_elsewhere(model)
+    holders = _holders(model)
     converted = []
     for name, layer, parents in planned:
         relu = type(layer) in _RELU_FUSED
         quantized = handler.convert(layer, relu, name, config)
         what = f"{type(quantized).__name__}" + (" (ReLU fused into the epilogue)" if relu else "")
-        if id(layer.weight) in tied and tied[id(layer.weight)] != {name}:
-            others = ", ".join(sorted(tied[id(layer.weight)] - {name}))
-            what += f"; its weight was tied to {others}: that tie is broken (those keep the float weight)"
+        others = sorted(n for m, n in holders.get(id(layer.weight), {}).items() if m != id(layer))
+        if others:
+            what += f"; its weight was shared with {', '.join(others)}: the quantized layer holds its own copy"
         sample = calibration.samples.get(name) if calibration is not None else None
         error = None if sample is None else _calibration_error(name, layer, quantized, sample)
         converted.append((name, parents, quantized, what, error))
@@ -404,13 +404,13 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     return report
 
 
-def _tied_elsewhere(model: nn.Module) -> Dict[int, set]:
-    """id(parameter) -> the names of the modules that hold it, for parameters more than one module holds."""
-    holders: Dict[int, set] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
+def _holders(model: nn.Module) -> Dict[int, Dict[int, str]]:
+    """id(parameter) -> {id(module): its first name ("the model" for the root)} of the modules holding it."""
+    holders: Dict[int, Dict[int, str]] = {}
+    for module_name, module in model.named_modules():  # each module once, under its first name
         for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), set()).add(module_name)
-    return {k: v for k, v in holders.items() if len(v) > 1}
+            holders.setdefault(id(p), {})[id(module)] = module_name or "the model"
+    return holders
 
 
 def _calibration_error(name: str, layer: nn.Module, quantized: nn.Module, sample: torch.Tensor) -> float:
@@ -419,6 +419,8 @@ def _calibration_error(name: str, layer: nn.Module, quantized: nn.Module, sample
     x = sample.to(device=layer.weight.device, dtype=layer.weight.dtype)
     try:
         return relative_error(layer, quantized, x)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as e:
         raise ValueError(f"quantize_: the calibration sample of {name!r} (shape {tuple(sample.shape)}) is not an "
                          f"input {type(layer).__name__} {name!r} takes (was it calibrated on another model?): {e}; "

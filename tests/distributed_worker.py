@@ -192,6 +192,11 @@ def check_edges(rt, out_dir):
     except ValueError as e:
         out["per_rank_train_state"] = str(e)
     try:
+        fd.Checkpointer(out_dir / "edges-step", keep=None).save(10 + rt.rank, model)
+        out["per_rank_step"] = "saved"
+    except ValueError as e:
+        out["per_rank_step"] = str(e)
+    try:
         fd.fully_shard_model(torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True)), mixed_precision=False)
         out["sparse_fsdp"] = "sharded"
     except ValueError as e:

@@ -139,7 +139,8 @@ def test_fused_layers_before_and_after_sharding(trained):
 def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     edges = trained[0]["edges"]
     # train_state is saved once: a per-rank value came back as rank 0's on every rank
-    assert "train_state differs between ranks in ['position']" in edges["per_rank_train_state"]
+    assert "step and train_state differ between ranks in ['position']" in edges["per_rank_train_state"]
+    assert "differ between ranks in ['step']" in edges["per_rank_step"]
     # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
     assert "FSDP2 cannot shard sparse-gradient embeddings (0: sparse=True)" in edges["sparse_fsdp"]
     # FSDP2 renames OPTDecoderLayer to FSDPOPTDecoderLayer: the adapter found none of its fc1 layers
@@ -408,6 +409,20 @@ roll.save(300, model)
 roll.load(model, path=roll.dir / "step_00000250")
 roll.save(260, model)  # a second rollback past a step abandoned before: both kept
 print("rollback2", " ".join(sorted(p.name for p in roll.dir.iterdir() if p.name.startswith("abandoned"))))
+try:
+    ck.save(-1, model)
+except ValueError as e:
+    print("negative", e)
+failing = fd.Checkpointer(sys.argv[1] + "-async", async_save=True)
+def disk_full(*args):
+    raise OSError(28, "No space left on device")
+failing._commit = disk_full  # the rename after the background write fails
+failing.save(1, model)
+try:
+    failing.wait()
+    print("async published")
+except RuntimeError as e:
+    print("async", e, "|", repr(e.__cause__))
 fd.shutdown()
 """
 
@@ -424,10 +439,12 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     proc = finish(proc, 120)
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
-                 ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2"))
+                 ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
     assert lines["unstepped"] == "0 0", lines
     assert lines["rollback"] == "True step_00000250 abandoned-step_00000300 step_00000200 step_00000250", lines
     assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines
+    assert "step must be an int >= 0, got -1" in lines["negative"], lines
+    assert "was written but not published" in lines["async"] and "No space left" in lines["async"], lines

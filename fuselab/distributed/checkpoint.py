@@ -28,6 +28,7 @@ the write completes. ``wait()`` (also called by the next ``save`` and ``close``)
 """
 import json
 import logging
+import numbers
 import os
 import pickle
 import random
@@ -90,7 +91,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def _check_same_on_every_rank(train_state: Dict[str, Any]) -> None:
-    """ValueError if ``train_state`` differs between ranks: it is saved once (rank 0's) and every rank
+    """ValueError if ``train_state`` (with the step) differs between ranks: it is saved once (rank 0's) and every rank
     gets that back, so a per-rank value (a rank's own data position) would silently become rank 0's."""
     if _world() == 1:
         return
@@ -99,9 +100,9 @@ def _check_same_on_every_rank(train_state: Dict[str, Any]) -> None:
     if any(other != states[0] for other in states):
         decoded = [json.loads(state) for state in states]
         keys = sorted({k for d in decoded for k in set(d) | set(decoded[0]) if d.get(k) != decoded[0].get(k)})
-        raise ValueError(f"train_state differs between ranks in {keys}: it is saved once and every rank gets "
-                         "rank 0's back; keep per-rank positions derivable from shared values (e.g. the samples "
-                         "seen in all)")
+        raise ValueError(f"save()'s step and train_state differ between ranks in {keys}: they are saved once and "
+                         "every rank gets rank 0's back; keep per-rank positions derivable from shared values (e.g. "
+                         "the samples seen in all)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -179,7 +180,10 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler=None, train_state: Optional[Dict[str, Any]] = None) -> Path:
         """Write a checkpoint of ``step`` (collective); returns its final folder. With
-        ``async_save`` it returns once the state is staged in host memory."""
+        ``async_save`` it returns once the state is staged in host memory. ValueError for a step that is not
+        an int >= 0, or a step or ``train_state`` that differs between ranks (before anything is written)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
         final = self.dir / f"{PREFIX}{step:08d}"
         tmp = self.dir / f"{TMP}{final.name}"
@@ -195,7 +199,7 @@ class Checkpointer:
             json.dumps(info)
         except TypeError as e:
             raise TypeError(f"train_state must be JSON-serializable (ints, floats, strings, lists): {e}") from None
-        _check_same_on_every_rank(train_state or {})
+        _check_same_on_every_rank({"step": int(step), **(train_state or {})})
         state: Dict[str, Any] = {"train_state": json.dumps(info), f"rng_rank{_rank()}": pickle.dumps(rng_state())}
         # An optimizer that has not stepped has no state to save: get_state_dict would make one by stepping it
         # (AdamW's step count would start at 1 and its first real update come out smaller).
@@ -210,20 +214,21 @@ class Checkpointer:
         if self.async_save:
             response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
             future = getattr(response, "upload_completion", response)  # newer torch: AsyncSaveResponse
-            done = threading.Event()
+            done, errors = threading.Event(), []
 
             def commit(fut):
                 try:
                     if fut.exception() is None and _rank() == 0:
                         self._commit(tmp, final, info)
                         logger.info("checkpoint %s written (async, %.1f s)", final, time.perf_counter() - t0)
-                except Exception:  # noqa: BLE001  reported by wait()
+                except Exception as e:  # noqa: BLE001  raised by wait(), on every rank
                     logger.exception("committing checkpoint %s failed", final)
+                    errors.append(e)
                 finally:
                     done.set()
 
             future.add_done_callback(commit)
-            self._pending = (future, tmp, final, done)
+            self._pending = (future, final, done, errors)
             logger.info("checkpoint of step %d staged in %.1f s; writing in the background", step,
                         time.perf_counter() - t0)
         else:
@@ -265,11 +270,18 @@ class Checkpointer:
         """Block until a pending asynchronous save is written and published (re-raises its error)."""
         if self._pending is None:
             return
-        future, _, final, done = self._pending
+        future, final, done, errors = self._pending
         self._pending = None
         future.result()
         done.wait()
+        failure = [repr(errors[0]) if errors else None]  # rank 0 publishes: every rank learns whether it did
+        if _world() > 1:
+            dist.broadcast_object_list(failure, src=0)
         _barrier()
+        if errors:
+            raise RuntimeError(f"checkpoint {final} was written but not published") from errors[0]
+        if failure[0] is not None:
+            raise RuntimeError(f"checkpoint {final} was written but not published (on rank 0: {failure[0]})")
 
     def close(self) -> None:
         self.wait()

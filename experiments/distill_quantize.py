@@ -560,6 +560,8 @@ def parse_args(argv):
         p.error(f"--load-students {args.load_students}: no such folder")
     if args.load_students is not None and args.save_students is not None:
         p.error("--load-students and --save-students are exclusive")
+    if args.tiny and args.results:  # its models keep the real ones' names: a merge would mix them in one row
+        p.error("--tiny is a smoke run: its numbers do not go into results/ (drop --results, or write --out)")
     return p, args
 
 

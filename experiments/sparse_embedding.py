@@ -190,6 +190,7 @@ def movielens_accuracy(ratings: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rows = []
     for opt_name, make in OPTIMIZERS.select(optimizers).items():
         torch.manual_seed(0)
+        order = torch.Generator().manual_seed(1)  # every optimizer sees the same batches in the same order
         model = MatrixFactorization(int(users.max()) + 1, int(items.max()) + 1, dim,
                                     sparse=opt_name not in DENSE).to(device)
         opt = make(model.parameters(), device)
@@ -197,7 +198,7 @@ def movielens_accuracy(ratings: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
             torch.cuda.reset_peak_memory_stats()
         for _ in range(epochs):
             steps, seconds = 0, 0.0
-            for idx in train[torch.randperm(len(train), generator=gen)].to(device).split(batch):
+            for idx in train[torch.randperm(len(train), generator=order)].to(device).split(batch):
                 u, i, r = (t[idx] for t in cols)
                 sync(device)
                 t0 = time.perf_counter()

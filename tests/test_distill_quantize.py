@@ -270,3 +270,8 @@ def test_merged_runs_get_fresh_summaries_over_every_seed(tmp_path):
     assert summaries[0]["mean"] == pytest.approx((0.96 + 0.92 + 0.94) / 3)
     assert summaries[0]["run"] == second.run_id and summaries[0]["seed_runs"] == sorted([first.run_id,
                                                                                          second.run_id])
+
+
+def test_a_tiny_run_stays_out_of_the_published_results(capsys):
+    # Its models keep the real ones' names: merged, a tiny seed would average with an H200 run's.
+    assert "smoke run" in usage_error(capsys, ["--tiny", "--results"])

@@ -403,6 +403,8 @@ def test_plots_leave_a_dtype_without_some_k_blank(swept, tmp_path):
     (["--kernel", "scaled_gemm"], "--kernel chooses the checks' kernel"),
     (["--check-heldout", "--kernel", "scaled_gemm", "--dtypes", "bf16"], "unknown dtypes ['bf16']"),
     (["--plot", "missing.json"], "no such file"),
+    (["--dry-run", "--write-configs"], "give --configs-dir"),
+    (["--resume", "--out", "missing-sweep.json"], "nothing to continue"),
 ])
 def test_bad_arguments_exit_with_a_clear_message(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:

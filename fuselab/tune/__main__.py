@@ -92,6 +92,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error("--write-configs, --budget-min, --resume and --overwrite are the sweep's")
     if args.dirty and args.commit is None:
         p.error("--dirty describes --commit: give both")
+    if args.dry_run and args.write_configs and args.configs_dir is None:  # later interpreter runs would read them
+        p.error("--dry-run --write-configs would write the interpreter's choices into the package: give --configs-dir")
     if args.out is not None:  # before any timing, not when the results are first saved
         if args.out.is_dir():
             p.error(f"--out {args.out} is a folder: give the results file's path")
@@ -166,6 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       commit=args.commit, dirty=args.dirty if args.commit else None, grid=grid_name)
     study = "tune_heldout" if args.check_heldout else "tune_first_call" if args.first_call else "tune"
     out = args.out or Path("runs") / f"{study}-{_autotune.gpu_file_name()}.json"
+    if args.resume and not out.exists():
+        p.error(f"--resume continues {out}, which is not there: nothing to continue")
     try:
         if args.check_heldout or args.first_call:
             run = checks.check_heldout if args.check_heldout else checks.first_call

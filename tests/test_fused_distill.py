@@ -145,7 +145,7 @@ def test_bad_inputs_are_refused(device):
                                                  True)
     with pytest.raises(TypeError, match="fused must be True or False"):
         DistillationLoss(fused=1)
-    with pytest.raises(TypeError, match="temperature must be a Python number, got Tensor"):
+    with pytest.raises(TypeError, match="temperature must be a number, not a tensor that requires grad"):
         fused_distill.fused_distillation_loss(s, t, y, torch.tensor(2.0, requires_grad=True), 0.5)
     # float64 logits take the PyTorch form, exactly
     s64, t64 = s.double(), t.double()

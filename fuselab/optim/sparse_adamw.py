@@ -223,18 +223,16 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         # A group saved without some option (before it existed, or by torch.optim.SparseAdam) keeps the
-        # value of the group it replaces (see __setstate__), not the constructor's default.
-        self._replaced_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            del self._replaced_groups
+        # value of the group it replaces, not the constructor's default that __setstate__ fills in.
+        replaced = [dict(g) for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, saved, old in zip(self.param_groups, state_dict["param_groups"], replaced):
+            group.update({k: v for k, v in old.items() if k != "params" and k not in saved})
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        replaced = getattr(self, "_replaced_groups", [])
-        for i, group in enumerate(self.param_groups):
-            for key, value in (replaced[i] if i < len(replaced) else self.defaults).items():
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
                 group.setdefault(key, value)
         for param_state in self.state.values():  # SparseAdam (and old AdamW) count steps in a Python int
             if "step" in param_state and not isinstance(param_state["step"], torch.Tensor):

@@ -14,6 +14,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def scalar(name: str, value):
+    """``value`` as a Python float where it is one number (a numpy scalar, a one-element tensor: a config
+    file's or a schedule's), else unchanged for the caller's checks; TypeError for a bool and for a tensor
+    that requires grad (a learned temperature: float() would drop its gradient)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise TypeError(f"{name} must be a number, not a tensor that requires grad (a learned {name} is not supported)")
+    if isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1
+                                           and not value.is_complex()):
+        return float(value)
+    return value
+
+
 class DistillationLoss(nn.Module):
     """``forward(student_logits, teacher_logits, target)``: the loss above, a scalar.
 
@@ -34,18 +48,7 @@ class DistillationLoss(nn.Module):
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):
         super().__init__()
-        if isinstance(temperature, bool) or isinstance(alpha, bool):
-            raise TypeError(f"temperature and alpha must be numbers, got {temperature!r} and {alpha!r}")
-        for name, value in (("temperature", temperature), ("alpha", alpha)):
-            if isinstance(value, torch.Tensor) and value.requires_grad:  # float() would drop its gradient
-                raise TypeError(f"{name} must be a number, not a tensor that requires grad (a learned {name} is "
-                                "not supported)")
-            if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
-                raise TypeError(f"{name} must be a number, got {value!r}")
-        # numpy scalars and one-element tensors are numbers too (a config file's or a schedule's)
-        temperature, alpha = (float(v) if isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1
-                                                                          and not v.is_complex()) else v
-                              for v in (temperature, alpha))
+        temperature, alpha = scalar("temperature", temperature), scalar("alpha", alpha)
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be True or False, got {fused!r}")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):

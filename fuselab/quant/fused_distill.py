@@ -43,7 +43,7 @@ from fuselab.kernels._runtime import (
     register_op,
     untraced,
 )
-from fuselab.quant.distill import check_logits, distillation_loss_torch
+from fuselab.quant.distill import check_logits, distillation_loss_torch, scalar
 
 IGNORE_INDEX = -100  # cross-entropy's: a row without a label adds to the soft term only
 _IGNORE = tl.constexpr(IGNORE_INDEX)  # the same, as the kernels may read a global
@@ -306,9 +306,10 @@ def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target
     """The loss by the kernels where they compute it exactly (``execution_path``), else by the PyTorch form;
     differentiable in both logits. Under forward-mode AD and ``torch.func`` transforms the PyTorch form
     computes it (a custom op has no tangent rule), so tangents and transformed results are PyTorch's."""
+    temperature, alpha = scalar("temperature", temperature), scalar("alpha", alpha)
     for name, value in (("temperature", temperature), ("alpha", alpha)):  # the op's schema takes floats
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+        if not isinstance(value, float):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if (execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON
             or (not torch.compiler.is_compiling() and beyond_custom_ops())):
         return distillation_loss_torch(student, teacher, target, temperature, alpha)

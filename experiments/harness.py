@@ -265,12 +265,15 @@ def require_cuda(what: str) -> None:
 
 
 def parse_device(p: argparse.ArgumentParser, text: str, study: str) -> torch.device:
-    """``--device``'s value as a device: a parser error when torch cannot read it, and
-    ``require_cuda``'s exit for a CUDA device on a machine without one."""
+    """``--device``'s value as a device: a parser error when torch cannot read it or it is neither a CPU
+    nor a CUDA device (the studies measure those two), and ``require_cuda``'s exit for a CUDA device on a
+    machine without one."""
     try:
         device = torch.device(text)
     except RuntimeError as e:
         p.error(f"--device {text!r}: {e}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {text!r}: {study} runs on 'cpu' or 'cuda' devices, not {device.type!r}")
     if device.type == "cuda":
         require_cuda(f"{study} --device cuda")
     return device

@@ -275,8 +275,8 @@ one synchronized training step (wall clock, after training). On a CPU fuselab co
 so the CPU rows show that patching keeps accuracy, not speed; the MLP trains in fp32 at torch's
 default precision, where fuselab runs cuBLAS and a ReLU on a GPU.""",
         command="python -m experiments.train_mlp --results --merge",
-        views=(View("test accuracy", index=("op", "shape"), baseline=None, split=(), title="test accuracy"),
-               View("ms/step", index=("op", "shape"), split=(), title="ms per training step")),
+        views=(View("test accuracy", index=("op", "shape", "epochs"), baseline=None, split=(), title="test accuracy"),
+               View("ms/step", index=("op", "shape", "epochs"), split=(), title="ms per training step")),
     ),
     "quickstart": Spec(
         title="Quickstart check (`make demo`, stage 1)",

@@ -114,7 +114,7 @@ def main(argv=None):
     base = nn.Sequential(nn.Linear(d_in, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10)).to(device)
     initial = copy.deepcopy(base)  # every provider starts from the same weights
     results = Results(STUDY)
-    results.annotate(data=name if args.data is None else f"{name} ({args.data})")
+    results.annotate(data=name if args.data is None else f"{name} ({args.data})", lr=args.lr, hidden=args.hidden)
     results.set_baseline(f"train on {device.type}", PROVIDERS)
     op, shape = f"train on {device.type}", f"{name}, {d_in}-{h}-{h}-10, batch {args.batch}"
     for provider, make in PROVIDERS.select(None).items():

@@ -287,6 +287,8 @@ def test_an_unreadable_device_is_a_usage_error(capsys, outdirs):
     for main in (train_mlp.main, compile_speedup.main, sparse_embedding.main, distill_quantize.main):
         err = usage_error(capsys, main, ["--device", "gpu0"])
         assert "'gpu0'" in err and "device" in err
+        err = usage_error(capsys, main, ["--device", "meta"])  # torch reads it; the studies cannot run there
+        assert "'meta'" in err and "cpu" in err and "cuda" in err
     assert not outdirs[0].exists() and not outdirs[1].exists()
 
 

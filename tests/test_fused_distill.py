@@ -230,3 +230,22 @@ def test_batched_backwards_are_the_pytorch_forms(device):
         got.append(torch.autograd.grad(DistillationLoss(2.0, 0.5, fused=fused)(s1, t, y), s1, v, is_grads_batched=True)[0])
     torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-7)
     assert got[0].shape == (3, 4, 12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_functional_loss_checks_like_the_module_on_every_path(device):
+    # float64 logits take the PyTorch form, fp32 ones the kernels (in the interpreter on a CPU): both refuse what
+    # DistillationLoss refuses, and the op itself refuses a bad temperature or alpha.
+    y = torch.zeros(4, dtype=torch.long, device=device)
+    for dtype in (torch.float64, torch.float32):
+        s, t = torch.randn(4, 5, device=device, dtype=dtype), torch.randn(4, 5, device=device, dtype=dtype)
+        for T, alpha, words in ((-2.0, 0.5, "temperature must be a positive finite"),
+                                (0.0, 0.5, "temperature must be a positive finite"),
+                                (2.0, 2.0, "alpha must be a number in \\[0, 1\\]")):
+            with pytest.raises(ValueError, match=words):
+                fused_distill.fused_distillation_loss(s, t, y, T, alpha)
+        with pytest.raises(ValueError, match="one shape"):
+            fused_distill.fused_distillation_loss(s, t[:1], y, 2.0, 0.5)
+    s, t = torch.randn(4, 5, device=device), torch.randn(4, 5, device=device)
+    with pytest.raises(ValueError, match="temperature must be a positive finite"):
+        torch.ops.fuselab.distillation_loss(s, t, y, -1.0, 0.5)

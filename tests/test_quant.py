@@ -1059,7 +1059,7 @@ def test_quantized_layers_are_reported_not_silently_passed_over():
     report = quantize_(model, Float8RowwiseConfig())  # a second config: nothing may look converted to fp8
     assert not report.replaced
     assert report.skipped == {n: "already quantized (Int8Linear)" for n in ("0", "2", "4")}
-    with pytest.raises(ValueError, match="no nn.Linear .* to observe; its 3 quantized layer"):
+    with pytest.raises(ValueError, match="no nn.Linear, Conv1D or nn.Conv2d layer to observe; its 3 quantized layer"):
         calibrate(model, [torch.randn(2, 24)], 1, progress=False)
 
 
@@ -1283,3 +1283,72 @@ def test_calibrate_refuses_inf_and_reads_a_keyword_input():
 
     calib = calibrate(Keyword(), [torch.full((2, 4), 3.0)], 1, progress=False)
     assert calib.absmax["fc"] == 3.0
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_from_float_keeps_a_fused_relu_and_checks_its_arguments(kind):
+    # from_float of a FusedLinearReLU fuses its ReLU (relu=False would drop it: refused); a static scale must be
+    # positive and finite; a layer that is not a Linear is named.
+    cls = Int8Linear if kind == "int8" else Float8Linear
+    torch.manual_seed(0)
+    fused, x = FusedLinearReLU.from_linear(nn.Linear(8, 4)), torch.randn(16, 8)
+    with torch.no_grad():
+        assert cls.from_float(fused).relu and cls.from_float(fused)(x).min() >= 0
+        assert not cls.from_float(nn.Linear(8, 4)).relu
+    with pytest.raises(ValueError, match="relu=False.*would drop its ReLU"):
+        cls.from_float(fused, relu=False)
+    with pytest.raises(TypeError, match="takes an nn.Linear.*got a Conv2d"):
+        cls.from_float(nn.Conv2d(3, 4, 3))
+    if kind == "int8":
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="act_scale must be a positive finite number"):
+                Int8Linear.from_float(nn.Linear(8, 4), act_scale=bad)
+
+
+def test_a_layer_held_under_two_names_is_calibrated_and_quantized_under_one():
+    # calibrate and quantize_ name a layer alike (named_modules' first name): the static config finds its scale.
+    class TwoNames(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+            self.proj = self.body[0]  # a second name, nearer the root
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = TwoNames()
+    calib = calibrate(model, [torch.randn(4, 8)], 1, progress=False)
+    assert list(calib.absmax) == ["body.0"]
+    report = quantize_(model, Int8StaticActivationInt8WeightConfig(calib.act_scales()), calibration=calib)
+    assert list(report.replaced) == ["body.0"] and "body.0" in report.errors and not report.skipped
+    assert isinstance(model.proj, Int8Linear) and model.proj is model.body[0]
+
+
+def test_calibrate_takes_a_batch_encoding_and_records_conv_inputs_for_their_errors():
+    from transformers import BatchEncoding
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, input_ids):
+            return self.fc(input_ids)
+
+    calib = calibrate(Keywords(), [BatchEncoding({"input_ids": torch.full((2, 4), 2.0)})], 1, progress=False)
+    assert calib.absmax["fc"] == 2.0
+    # every Int8Conv2d quantize_ makes gets its error on the images its convolution saw
+    model, x = _conv_net(), torch.randn(4, 3, 16, 16)
+    calib = calibrate(model, [x], 1, sample_rows=300, progress=False)
+    assert calib.samples["0"].shape == (2, 3, 16, 16) and "0" not in calib.absmax  # 300 positions: 2 images
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig(conv2d=True), calibration=calib)
+    assert set(report.errors) == set(report.replaced) and all(0 < e < 0.05 for e in report.errors.values())
+
+
+def test_a_quantized_model_infers_shapes_on_meta_and_keeps_a_bias_it_can_use():
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    meta = copy.deepcopy(model).to("meta")
+    assert meta(torch.randn(2, 5, 8, device="meta")).shape == (2, 5, 4)
+    model.double()  # the bias stays in a dtype the epilogue takes
+    assert model[0].bias.dtype == torch.float32 and model(torch.randn(3, 8)).dtype == torch.float32

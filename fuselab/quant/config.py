@@ -37,14 +37,14 @@ class FrozenScales(Mapping):
         return f"FrozenScales({self._scales!r})"
 
 
-def _positive_scale(name: str, scale) -> float:
-    """``scale`` as a float (a Python, NumPy or one-element tensor real number), or ValueError."""
+def positive_scale(what: str, scale) -> float:
+    """``scale`` as a float (a Python, NumPy or one-element tensor real number), or ValueError naming it as ``what``."""
     if isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.is_floating_point():
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise ValueError(f"act_scales[{name!r}] must be a real number, got {type(scale).__name__} {scale!r}")
+        raise ValueError(f"{what} must be a real number, got {type(scale).__name__} {scale!r}")
     if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"act_scales[{name!r}] must be a positive finite number, got {float(scale)!r}")
+        raise ValueError(f"{what} must be a positive finite number, got {float(scale)!r}")
     return float(scale)
 
 
@@ -78,7 +78,7 @@ class Int8StaticActivationInt8WeightConfig:
     def __post_init__(self):
         if not isinstance(self.act_scales, Mapping):
             raise TypeError(f"act_scales must map layer names to scales, got {type(self.act_scales).__name__}")
-        scales = {name: _positive_scale(name, scale) for name, scale in self.act_scales.items()}
+        scales = {name: positive_scale(f"act_scales[{name!r}]", scale) for name, scale in self.act_scales.items()}
         object.__setattr__(self, "act_scales", FrozenScales(scales))
 
 

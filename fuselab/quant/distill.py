@@ -8,6 +8,7 @@ soft gradients shrink as 1/T^2).
 """
 import math
 import numbers
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,26 +49,33 @@ class DistillationLoss(nn.Module):
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):
         super().__init__()
-        temperature, alpha = scalar("temperature", temperature), scalar("alpha", alpha)
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be True or False, got {fused!r}")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-        if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
-            raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-        self.temperature, self.alpha, self.fused = float(temperature), float(alpha), fused
+        self.temperature, self.alpha = check_hyperparameters(temperature, alpha)
+        self.fused = fused
 
     def extra_repr(self) -> str:
         return f"temperature={self.temperature}, alpha={self.alpha}" + (", fused=True" if self.fused else "")
 
     def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                 target: torch.Tensor) -> torch.Tensor:
-        check_logits(student_logits, teacher_logits, target)
-        if self.fused:
+        if self.fused:  # it checks the logits on each of its paths
             from fuselab.quant.fused_distill import fused_distillation_loss  # it imports this module
 
             return fused_distillation_loss(student_logits, teacher_logits, target, self.temperature, self.alpha)
+        check_logits(student_logits, teacher_logits, target)
         return distillation_loss_torch(student_logits, teacher_logits, target, self.temperature, self.alpha)
+
+
+def check_hyperparameters(temperature, alpha) -> Tuple[float, float]:
+    """(temperature, alpha) as floats (see ``scalar``), or ValueError unless T is positive and finite and alpha
+    in [0, 1]: the checks of ``DistillationLoss`` and of the functional fused loss."""
+    temperature, alpha = scalar("temperature", temperature), scalar("alpha", alpha)
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    return float(temperature), float(alpha)
 
 
 def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.Tensor, target: torch.Tensor,

@@ -43,7 +43,7 @@ from fuselab.kernels._runtime import (
     register_op,
     untraced,
 )
-from fuselab.quant.distill import check_logits, distillation_loss_torch, scalar
+from fuselab.quant.distill import check_hyperparameters, check_logits, distillation_loss_torch
 
 IGNORE_INDEX = -100  # cross-entropy's: a row without a label adds to the soft term only
 _IGNORE = tl.constexpr(IGNORE_INDEX)  # the same, as the kernels may read a global
@@ -172,9 +172,11 @@ def _weights(n: int, temperature: float, alpha: float) -> tuple:
     return 1.0 / temperature, alpha * temperature * temperature / n, 1.0 - alpha
 
 
-def _check(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
+def _check(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float,
+           alpha: float) -> None:
     """What the kernels read exactly: ``check_logits``'s inputs with C >= 1, fp16/bf16/fp32 logits with unit
-    column stride, all on one device."""
+    column stride, all on one device; ``check_hyperparameters``'s T and alpha."""
+    check_hyperparameters(temperature, alpha)
     check_logits(student, teacher, target)
     if student.shape[1] == 0:
         raise ValueError(f"the fused loss needs at least one class, got logits of shape {tuple(student.shape)}")
@@ -198,7 +200,7 @@ _INSTEAD = "fuselab.quant.DistillationLoss(fused=True) or fused_distill.fused_di
 
 
 def _loss_fake(student, teacher, target, temperature, alpha):
-    _check(student, teacher, target)
+    _check(student, teacher, target, temperature, alpha)
     return student.new_empty((), dtype=torch.float32), student.new_empty((student.shape[0], STATS), dtype=torch.float32)
 
 
@@ -206,7 +208,7 @@ def _loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, te
           alpha: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the loss, 8 fp32 statistics a row that ``distillation_loss_grad`` reads)."""
     refuse_forward_ad("distillation_loss", _INSTEAD)
-    _check(student, teacher, target)
+    _check(student, teacher, target, temperature, alpha)
     _check_runs_triton(student)
     n, c = student.shape
     target = target.contiguous()  # the kernels read it at unit stride
@@ -221,7 +223,7 @@ def _loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, te
 
 
 def _grad_fake(student, teacher, target, stats, grad, temperature, alpha, need_ds, need_dt):
-    _check(student, teacher, target)
+    _check(student, teacher, target, temperature, alpha)
     return (torch.empty_like(student) if need_ds else student.new_empty(0),
             torch.empty_like(teacher) if need_dt else teacher.new_empty(0))
 
@@ -231,7 +233,7 @@ def _grad(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, st
           need_dt: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d loss / d student, d loss / d teacher) times ``grad`` (0-dim), each an empty tensor where not needed."""
     refuse_forward_ad("distillation_loss_grad", _INSTEAD)
-    _check(student, teacher, target)
+    _check(student, teacher, target, temperature, alpha)
     _check_runs_triton(student)
     n, c = student.shape
     if stats.shape != (n, STATS) or stats.dtype != torch.float32 or grad.numel() != 1:
@@ -306,12 +308,10 @@ def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target
     """The loss by the kernels where they compute it exactly (``execution_path``), else by the PyTorch form;
     differentiable in both logits. Under forward-mode AD and ``torch.func`` transforms the PyTorch form
     computes it (a custom op has no tangent rule), so tangents and transformed results are PyTorch's."""
-    temperature, alpha = scalar("temperature", temperature), scalar("alpha", alpha)
-    for name, value in (("temperature", temperature), ("alpha", alpha)):  # the op's schema takes floats
-        if not isinstance(value, float):
-            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    temperature, alpha = check_hyperparameters(temperature, alpha)
     if (execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON
             or (not torch.compiler.is_compiling() and beyond_custom_ops())):
+        check_logits(student, teacher, target)  # the kernels' path checks them in the op (_check)
         return distillation_loss_torch(student, teacher, target, temperature, alpha)
     student, teacher = (x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous() for x in (student, teacher))
     if untraced(student, teacher, target):

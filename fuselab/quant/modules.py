@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn.modules.utils import _pair
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
+from fuselab.nn.linear_relu import FusedLinearReLU, refuse_torchscript
+from fuselab.quant.config import positive_scale
 from fuselab.quant.fp8_gemm import fp8_matmul
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
 from fuselab.quant.int8_gemm import int8_matmul
@@ -22,7 +24,7 @@ from fuselab.quant.rowwise import FP8_DTYPE, quantize_fp8_rowwise, quantize_int8
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
     """What the float layer would return for ``x``: autocast's dtype under autocast, else x's."""
-    if torch.is_autocast_enabled(x.device.type):
+    if x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type):  # meta: shapes only
         return torch.get_autocast_dtype(x.device.type)
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"a quantized layer takes float32, float16 or bfloat16 inputs, got {x.dtype}")
@@ -52,6 +54,18 @@ class _QuantizedLinear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
 
+    @staticmethod
+    def _fused_relu(linear: nn.Module, relu: Optional[bool], layer: str) -> bool:
+        """``from_float``'s ReLU: a FusedLinearReLU's own (ValueError for ``relu=False``: it would be dropped),
+        else ``relu``; TypeError for a layer that is not an nn.Linear."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{layer}.from_float takes an nn.Linear (or FusedLinearReLU), got a {type(linear).__name__}"
+                            " (quantize_ converts transformers' Conv1D layers)")
+        fused = isinstance(linear, FusedLinearReLU)
+        if fused and relu is False:
+            raise ValueError(f"{layer}.from_float(relu=False) of a FusedLinearReLU would drop its ReLU")
+        return fused or bool(relu)
+
     def _load_float(self, linear: nn.Linear, quantize) -> None:
         self.weight, self.weight_scale = quantize(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -78,17 +92,21 @@ class _QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to(dtype)/.half() on a quantized model: quantized weights and fp32 scales keep their dtypes
-        # (a round trip through fp16 would round the scales); device moves still apply. The bias follows.
-        kept = {k: v for k, v in self._buffers.items() if v is not None and k != "bias"}
+        # (a round trip through fp16 would round the scales); device moves still apply. The bias follows
+        # casts among the dtypes the epilogue takes (not .double()'s).
+        kept = {k: v for k, v in self._buffers.items() if v is not None}
         super()._apply(fn, recurse)
         for name, old in kept.items():
-            if self._buffers[name].dtype != old.dtype:
-                self._buffers[name] = old.to(self._buffers[name].device)
+            new = self._buffers[name]
+            if new.dtype != old.dtype and (name != "bias" or new.dtype not in SUPPORTED_DTYPES):
+                self._buffers[name] = old.to(new.device)
         return self
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, relu={self.relu}")
+
+    __prepare_scriptable__ = refuse_torchscript
 
 
 class Int8Linear(_QuantizedLinear):
@@ -101,8 +119,14 @@ class Int8Linear(_QuantizedLinear):
         self.register_buffer("act_scale", torch.ones((), dtype=torch.float32, device=device) if static else None)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, relu: bool = False, act_scale: Optional[float] = None) -> "Int8Linear":
-        """Quantize ``linear``'s weight (its ReLU fused if ``relu``); ``act_scale``: static activations."""
+    def from_float(cls, linear: nn.Linear, relu: Optional[bool] = None,
+                   act_scale: Optional[float] = None) -> "Int8Linear":
+        """Quantize ``linear``'s weight, its ReLU fused if it is a FusedLinearReLU or ``relu``; ``act_scale``
+        (positive, finite): static activations. ValueError for a bad ``act_scale`` and for ``relu=False`` on a
+        FusedLinearReLU; TypeError for a layer that is not an nn.Linear."""
+        relu = cls._fused_relu(linear, relu, cls.__name__)
+        if act_scale is not None:
+            act_scale = positive_scale("act_scale", act_scale)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, relu,
                     static=act_scale is not None, device=linear.weight.device)
         layer._load_float(linear, quantize_int8_rowwise)
@@ -127,7 +151,9 @@ class Float8Linear(_QuantizedLinear):
         super().__init__(in_features, out_features, bias, relu, FP8_DTYPE, device=device)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, relu: bool = False) -> "Float8Linear":
+    def from_float(cls, linear: nn.Linear, relu: Optional[bool] = None) -> "Float8Linear":
+        """Quantize ``linear``'s weight, its ReLU fused if it is a FusedLinearReLU or ``relu`` (see Int8Linear's)."""
+        relu = cls._fused_relu(linear, relu, cls.__name__)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, relu,
                     device=linear.weight.device)
         layer._load_float(linear, quantize_fp8_rowwise)

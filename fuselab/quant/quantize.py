@@ -120,7 +120,8 @@ def _float8_rowwise(layer, relu, name, config):
 @dataclass(frozen=True)
 class Calibration:
     """What ``calibrate`` saw at each Linear (or Conv1D) layer's input: the largest |value| (``absmax``) and the
-    first inputs, as (rows, in_features) (``samples``), over ``n_batches`` batches."""
+    first inputs, as (rows, in_features) (``samples``; a Conv2d's: its first input images, (N, C, H, W)), over
+    ``n_batches`` batches."""
 
     absmax: Mapping[str, float]
     samples: Mapping[str, torch.Tensor]
@@ -135,11 +136,11 @@ class Calibration:
 
 
 def _model_input(batch):
-    """A loader's batch as the model's arguments: ``(x, y, ...)`` -> x, a dict -> keyword arguments."""
+    """A loader's batch as the model's arguments: ``(x, y, ...)`` -> x, a mapping -> keyword arguments."""
     if isinstance(batch, (tuple, list)):
         return (batch[0],), {}
-    if isinstance(batch, dict):
-        return (), batch
+    if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding (a UserDict)
+        return (), dict(batch)
     return (batch,), {}
 
 
@@ -175,11 +176,12 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
               progress: bool = True) -> Calibration:
     """Run ``n_batches`` batches of ``loader`` through ``model`` (eval mode, no grad; the mode is
     restored) and record, for every ``nn.Linear`` and transformers ``Conv1D`` (by module name), its
-    input's absmax and its first ``sample_rows`` input rows. A batch is a tensor, a ``(x, target,
-    ...)`` tuple or list (x is passed), or a dict of keyword arguments; tensors are moved to the
-    model's device. A progress bar is shown if tqdm is installed and ``progress``. Raises ValueError
-    if ``n_batches < 1``, the loader runs out first, or the model has no such layer (a model
-    quantized already, say)."""
+    input's absmax and its first ``sample_rows`` input rows, and for every ``nn.Conv2d`` its first input
+    images, enough for ``sample_rows`` positions (at least one: ``quantize_``'s error of an Int8Conv2d).
+    A batch is a tensor, a ``(x, target, ...)`` tuple or list (x is passed), or a mapping of keyword
+    arguments (a dict, transformers' BatchEncoding); tensors are moved to the model's device. A progress
+    bar is shown if tqdm is installed and ``progress``. Raises ValueError if ``n_batches < 1``, the loader
+    runs out first, or the model has no such layer (a model quantized already, say)."""
     if isinstance(n_batches, bool) or not (isinstance(n_batches, int) and n_batches >= 1):
         raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
     absmax: Dict[str, float] = {}
@@ -191,6 +193,12 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"calibrate: {name!r} was called without a tensor input")
             x = x.detach()
+            if isinstance(module, nn.Conv2d):  # images for the error of an Int8Conv2d; no scale
+                have = sum(s.shape[0] for s in samples.get(name, []))
+                want = max(1, math.ceil(sample_rows / max(1, x.shape[-2] * x.shape[-1])))
+                if x.dim() == 4 and have < want:
+                    samples.setdefault(name, []).append(x[:want - have].clone())
+                return
             largest = x.abs().max().item() if x.numel() else 0.0
             if not math.isfinite(largest):  # NaN: max() drops it (the scale would shrink); inf: no scale
                 value = "NaN" if largest != largest else largest
@@ -203,10 +211,10 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
         return hook
 
     device = next((p.device for p in model.parameters()), None)
-    layers = [(name, m) for name, m in model.named_modules() if _linear_like(m)]
+    layers = [(name, m) for name, m in model.named_modules() if _linear_like(m) or isinstance(m, nn.Conv2d)]
     if not layers:
         quantized = sum(isinstance(m, QUANTIZED_LAYERS) for m in model.modules())
-        raise ValueError("calibrate: the model has no nn.Linear (or Conv1D) layer to observe"
+        raise ValueError("calibrate: the model has no nn.Linear, Conv1D or nn.Conv2d layer to observe"
                          + (f"; its {quantized} quantized layer(s) say it was quantized already: calibrate the "
                             "float model" if quantized else ""))
     handles = [m.register_forward_pre_hook(record(name), with_kwargs=True) for name, m in layers]
@@ -325,13 +333,14 @@ def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED,
 def _layer_sites(model: nn.Module, accounted: Callable[[nn.Module], bool]
                  ) -> Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]]:
     """Every module under ``model`` (not ``model`` itself) that ``accounted(module)`` holds for:
-    id -> (first name, layer, [(parent, key)])."""
+    id -> (name, layer, [(parent, key)]), named as ``model.named_modules()`` first names it (as ``calibrate``
+    names the layers it observes: a layer held under two names is one layer, under one name)."""
+    names = {id(m): name for name, m in model.named_modules()}
     sites: Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]] = {}
-    for parent_name, parent in model.named_modules(remove_duplicate=False):
+    for parent in model.modules():  # each parent once: its (parent, key) pairs once
         for key, child in parent._modules.items():
-            if child is not None and accounted(child):
-                name = f"{parent_name}.{key}" if parent_name else key
-                sites.setdefault(id(child), (name, child, []))[2].append((parent, key))
+            if child is not None and child is not model and accounted(child):
+                sites.setdefault(id(child), (names[id(child)], child, []))[2].append((parent, key))
     return sites
 
 

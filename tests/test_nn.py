@@ -662,3 +662,15 @@ def test_the_fx_path_refuses_a_model_whose_unused_state_or_state_dict_hooks_it_w
     assert patched is hooked and "hooks (state_dict_hooks)" in report.skipped["fc"]
     patched, report = fuse_linear_relu(_UnusedState(unused=False))  # the same forward, nothing to drop: fused
     assert report.fused == ["fc"] and set(patched.state_dict()) == {"fc.weight", "fc.bias", "out.weight", "out.bias"}
+
+
+def test_torchscript_is_refused_by_name():
+    # torch.jit.script cannot compile the fused layers' Python paths: say so, not an internal name of fuselab's
+    from fuselab.quant import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    fused, _ = fuse_linear_relu(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    quantized = nn.Sequential(nn.Linear(4, 4))
+    quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
+    for model, name in ((fused, "FusedLinearReLU"), (quantized, "Int8Linear")):
+        with pytest.raises(RuntimeError, match=f"torch.jit.script cannot compile fuselab's {name}: use torch.compile"):
+            torch.jit.script(model)

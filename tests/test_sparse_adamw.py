@@ -8,7 +8,11 @@ plus one rounding to the stored dtype (``reference.assert_close``).
 import copy
 import importlib
 import math
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -502,8 +506,62 @@ def test_complex_dense_parameters_equal_adamw(foreach, amsgrad):
 
 
 def test_complex_fused_rejected_at_construction():
-    with pytest.raises(ValueError, match="fused=True does not take complex parameters"):
-        SparseAdamW([torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex64))], fused=True)
+    c = torch.nn.Parameter(torch.randn(2, 2, dtype=torch.complex64))
+    for params in ([c], [("c", c)]):  # named parameters too
+        with pytest.raises(ValueError, match="fused=True does not take complex parameters"):
+            SparseAdamW(params, fused=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("bad", [4, 6, -1, 2**33])
+def test_row_ids_outside_the_parameter_raise_before_anything_changes(device, fused, bad):
+    # torch.sparse_coo_tensor does not check its indices: an id past the rows (or -1, or one that an int32 key
+    # would wrap into range) must neither write outside the parameter nor count a step.
+    storage = torch.zeros(8, 3, device=device)
+    p = torch.nn.Parameter(storage[:4])
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, bad, 2]], device=device), torch.ones(3, 3, device=device),
+                                     (4, 3), check_invariants=False)
+    opt = SparseAdamW([p], lr=0.1)
+    with pytest.raises(IndexError, match=f"row ids must lie in \\[0, 4\\).*got ids from {min(1, bad)} to {max(2, bad)}"):
+        if fused:
+            opt.step()
+        else:
+            state = [p.detach().clone(), torch.zeros(4, 3, device=device), torch.zeros(4, 3, device=device)]
+            sparse_adamw_torch(*state, p.grad._indices()[0], p.grad._values(), 0.1, 0.9, 0.999, 1e-8, 0.0,
+                               torch.tensor(1.0), False)
+    assert torch.equal(storage, torch.zeros_like(storage))
+    if fused:
+        assert opt.state[p]["step"].item() == 0
+
+
+_OUT_OF_RANGE_ON_CUDA = """
+import torch
+from fuselab.optim import SparseAdamW
+p = torch.nn.Parameter(torch.zeros(4, 3, device="cuda"))
+p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 6]], device="cuda"), torch.ones(2, 3, device="cuda"), (4, 3),
+                                 check_invariants=False)
+SparseAdamW([p]).step()
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.gpu
+def test_row_ids_outside_the_parameter_stop_a_cuda_step_with_a_device_assert():
+    # Checked without a host sync: the process's CUDA context ends, as at nn.Embedding's own out-of-range id.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _OUT_OF_RANGE_ON_CUDA], env=env, capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert result.returncode != 0 and "device-side assert" in result.stderr, result.stdout + result.stderr[-2000:]
+
+
+def test_a_parameter_of_no_rows_takes_its_empty_gradient():
+    emb = torch.nn.Embedding(0, 3, sparse=True)
+    emb.weight.grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 3), (0, 3))
+    opt = SparseAdamW(emb.parameters())
+    opt.step()
+    assert opt.state[emb.weight]["step"].item() == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)

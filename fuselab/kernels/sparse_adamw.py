@@ -43,9 +43,10 @@ IEEE-rounded division and square roots as torch's AdamW. The bias corrections 1 
 in float64 on the device: beta arrives as two fp32 halves (hi + lo: beta to 2**-48) and beta**t comes
 from repeated squaring over the bits of t (2 log2(t) roundings of 2**-53), so 1 - beta**t keeps ~1e-9
 relative accuracy even where it is small (beta2 = 0.99999, t = 1: 1e-5) before its one rounding to
-fp32; 1 - beta itself is passed from the host, not formed from an fp32 beta. The ids must be valid row
-indices (a sparse gradient's are): the kernels do not check them. float64 parameters take the PyTorch
-path (``sparse_adamw_torch``: ``coalesce()``, which waits for the host).
+fp32; 1 - beta itself is passed from the host, not formed from an fp32 beta. A row id outside [0, rows)
+(``torch.sparse_coo_tensor`` does not check its indices by default) stops the step before any row is
+written (``check_row_ids``). float64 parameters take the PyTorch path (``sparse_adamw_torch``:
+``coalesce()``, which waits for the host).
 """
 import struct
 from typing import Optional
@@ -219,9 +220,11 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
         raise ValueError("the fused update needs parameter and state rows with unit column stride")
     if dim > 1 and values.stride(1) != 1:
         values = values.contiguous()
-    # 4-byte keys halve the radix sort's passes; stable keeps each row's lookups in lookup order.
-    keys = indices.to(torch.int32 if param.shape[0] < 2**31 else torch.int64)
+    # 4-byte keys halve the radix sort's passes (clamped first: an id past 2**31 must not wrap into range);
+    # stable keeps each row's lookups in lookup order.
+    keys = indices.clamp(-1, param.shape[0]).to(torch.int32) if param.shape[0] < 2**31 else indices
     ids, order = torch.sort(keys, stable=True)
+    check_row_ids(indices, ids, param)
     n_chunks = triton.cdiv(nnz, CHUNK)
     partial = torch.empty((2, n_chunks, dim), dtype=torch.float32, device=param.device)
     block_d, warps, block_d2, heads = _blocks(dim)
@@ -246,6 +249,20 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
                 dict(MAXIMIZE=maximize, CHUNK=CHUNK, HEADS=heads, BLOCK_D=block_d2, num_warps=4))
 
 
+def check_row_ids(indices: torch.Tensor, sorted_ids: Optional[torch.Tensor], param: torch.Tensor) -> None:
+    """Stop a step whose row ids (``indices``; ``sorted_ids``: them clamped to [-1, rows] and sorted) are not all
+    in [0, rows): IndexError where the host may wait (a CPU; ``sorted_ids`` None); on CUDA, without a host sync,
+    a device-side assert (the same as nn.Embedding's for an id out of range), raised by ``index_select`` on
+    the sorted ends before the update's kernels run."""
+    if sorted_ids is None or not indices.is_cuda:
+        low, high = (int(x) for x in indices.aminmax())
+        if low < 0 or high >= param.shape[0]:
+            raise IndexError(f"a sparse gradient's row ids must lie in [0, {param.shape[0]}) (the parameter's rows), "
+                             f"got ids from {low} to {high}")
+        return
+    param.index_select(0, sorted_ids[:: max(sorted_ids.numel() - 1, 1)])
+
+
 def _launch(kernel, grid, layout: Optional[tuple], tensors: tuple, ints: tuple, floats: tuple, meta: dict) -> None:
     """``kernel[grid](*tensors, *ints, *floats, **meta)`` (its arguments in that order); with a ``layout``
     (an eager call) through a launch plan: the layout fixes the rest, the floats are passed again (a
@@ -262,6 +279,7 @@ def sparse_adamw_torch(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, b
                        weight_decay, step, maximize) -> None:
     """The same update in PyTorch: sum duplicates (coalesce), then update the gathered rows."""
     dtype = torch.float64 if param.dtype == torch.float64 else torch.float32  # fp32 math for 16-bit
+    check_row_ids(indices, None, param)  # this path waits for the host anyway; indexing would wrap -1 around
     t = float(step)  # exact bias corrections in float64, as torch.optim.AdamW computes them
     bias_correction1, bias_correction2_sqrt = 1 - beta1**t, (1 - beta2**t) ** 0.5
     # Duplicates summed in the math dtype: coalesce() adds in the values' dtype (bf16 sums lose digits).

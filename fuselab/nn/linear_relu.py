@@ -86,6 +86,13 @@ def fused_matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Ten
     return torch.relu(a @ b if bias is None else a @ b + bias)
 
 
+def refuse_torchscript(module: torch.nn.Module):
+    """``__prepare_scriptable__`` of fuselab's layers (``torch.jit.script`` calls it on every submodule): TorchScript
+    cannot compile their Python paths, and its own error names an internal of fuselab's."""
+    raise RuntimeError(f"torch.jit.script cannot compile fuselab's {type(module).__name__}: use torch.compile, "
+                       "torch.export or torch.jit.trace (TorchScript is deprecated)")
+
+
 def _sharing_parameters(cls, layer, **sizes):
     """A ``cls`` around ``layer``'s own weight and bias (no copy, no initialization), with ``sizes``."""
     fused = cls.__new__(cls)
@@ -112,6 +119,8 @@ class FusedLinearReLU(torch.nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
         return fused_linear_relu(input, self.weight, self.bias)
 
+    __prepare_scriptable__ = refuse_torchscript
+
 
 class FusedConv1DReLU(torch.nn.Module):
     """transformers' ``Conv1D`` (GPT-2: ``x @ weight + bias``, weight shaped (nx, nf)) followed by
@@ -132,3 +141,5 @@ class FusedConv1DReLU(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_matmul_relu(x, self.weight, self.bias)
+
+    __prepare_scriptable__ = refuse_torchscript

@@ -1,4 +1,5 @@
 """SparseAdamW: AdamW for dense gradients, lazy row-wise AdamW for sparse (COO) gradients."""
+import math
 import numbers
 import warnings
 from typing import Dict, Iterable, Optional, Sequence, Tuple
@@ -81,7 +82,9 @@ class SparseAdamW(torch.optim.Optimizer):
     ``add_param_group``) for lr, eps or weight_decay < 0, betas that are not two numbers in [0, 1),
     and fused=True with complex parameters; at ``step()`` for a sparse gradient in a group with
     amsgrad=True and a sparse gradient that is not a row-sparse COO tensor of a parameter with
-    contiguous rows.
+    contiguous rows; IndexError at ``step()`` for a row id outside the parameter's rows (on CUDA, where
+    checking on the host would wait for the GPU, a device-side assert instead, as ``nn.Embedding``'s for an
+    id out of range), before any row or the step count changes.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -102,7 +105,8 @@ class SparseAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         if not isinstance(params, (torch.Tensor, set)):  # a generator is read once, here (torch rejects sets)
             params = param_group["params"] = list(params)
-        tensors = [params] if isinstance(params, torch.Tensor) else params
+        named = [params] if isinstance(params, torch.Tensor) else params
+        tensors = [p[1] if isinstance(p, tuple) else p for p in named]  # (name, parameter) pairs too
         if group["fused"] and any(isinstance(p, torch.Tensor) and torch.is_complex(p) for p in tensors):
             raise ValueError("fused=True does not take complex parameters (neither does torch.optim.AdamW): "
                              "use foreach=True or the default")
@@ -138,7 +142,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if t.is_complex():
             t = torch.view_as_real(t)
         try:
-            rows = t.view(t.shape[0], -1)
+            rows = t.view(t.shape[0], math.prod(t.shape[1:]))  # not -1: ambiguous for a parameter of no rows
         except RuntimeError:
             rows = None
         if rows is None or (rows.shape[1] > 1 and rows.stride(1) != 1):
@@ -176,8 +180,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     if group["graphs"] and _graphable(p, grad, rows, indices, values):
                         self._graphed_update(p, rows, indices, values, state["step"], hyper)
                     else:
-                        state["step"] += 1
-                        sparse_adamw_update_(*rows, indices, values, state["step"], *hyper)
+                        _eager_update(rows, indices, values, state["step"], hyper)
                 else:
                     for lst, t in zip(dense, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                               state.get("max_exp_avg_sq"), state["step"])):
@@ -218,8 +221,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 graphed.replay(indices, values, rows)
                 return
         self._last_key[p] = key
-        step += 1
-        sparse_adamw_update_(*rows, indices, values, step, *hyper)
+        _eager_update(rows, indices, values, step, hyper)
 
     def load_state_dict(self, state_dict: dict) -> None:
         # A group saved without some option (before it existed, or by torch.optim.SparseAdam) keeps the
@@ -238,6 +240,16 @@ class SparseAdamW(torch.optim.Optimizer):
             if "step" in param_state and not isinstance(param_state["step"], torch.Tensor):
                 param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32)
         self._graphs, self._last_key, self._failed_captures = {}, {}, {}  # not pickled: captured again
+
+
+def _eager_update(rows: list, indices: torch.Tensor, values: torch.Tensor, step: torch.Tensor, hyper: tuple) -> None:
+    """Count the step, then update; an update that raises (row ids out of range, say) leaves the count as it was."""
+    step += 1
+    try:
+        sparse_adamw_update_(*rows, indices, values, step, *hyper)
+    except BaseException:
+        step -= 1
+        raise
 
 
 def _graphable(p: torch.Tensor, grad: torch.Tensor, rows: list, indices: torch.Tensor, values: torch.Tensor) -> bool:

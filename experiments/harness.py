@@ -241,9 +241,14 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 
 
 def output_path(args: argparse.Namespace, study: str) -> Path:
+    """Where the results go; SystemExit for exclusive flags and for an --out that is a folder (call it before the
+    work: the mistake shows at once, not after the run)."""
     if args.out is not None and args.results:
         raise SystemExit("--out and --results are exclusive")
     if args.out is not None:
+        if args.out.is_dir():
+            raise SystemExit(f"--out {args.out} is a folder: give the results file's path "
+                             f"(e.g. {args.out / study}.json)")
         return args.out
     return (RESULTS if args.results else RUNS) / f"{study}.json"
 

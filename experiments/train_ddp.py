@@ -35,15 +35,21 @@ from tqdm import tqdm
 from experiments import data, harness
 from experiments.training import (
     add_run_args,
+    check_resumed_settings,
     decay_groups,
     finish_run_args,
+    open_checkpointer,
     restart_schedule,
     run_distributed,
+    run_settings,
     warmup_cosine_schedule,
 )
 from fuselab import distributed as fd
 
 STUDY = "train_ddp"
+# What defines a run (checked on --resume); --epochs/--steps may grow, the world size may change.
+SETTINGS = ("arch", "tiny", "batch", "lr", "warmup_epochs", "momentum", "weight_decay", "augment", "sync_bn",
+            "limit_train", "seed", "precision")
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training set, pixels in [0, 1]
 ARCHS = ("resnet18", "resnet34", "resnet50")
 log = logging.getLogger("fuselab.train_ddp")
@@ -74,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  checkpoint_every_help="steps between saves (0: at each epoch's end only)")
     harness.add_output_args(p)
     args = p.parse_args(argv)
-    finish_run_args(p, args, tiny=dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2))
+    finish_run_args(p, args, STUDY,
+                    tiny=dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2))
     if args.warmup_epochs < 0:
         p.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if not 0 <= args.momentum < 1:
@@ -176,16 +183,19 @@ def train(args, rt):
     torch.manual_seed(args.seed + 1 + rt.rank)  # per-rank augmentation draws
 
     ckpt, epoch, skip, step = None, 0, 0, 0
+    settings = run_settings(args, SETTINGS)
     if args.checkpoint_dir is not None:
-        ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
+        ckpt = open_checkpointer(args)
         if args.resume:
             state = ckpt.load(model, opt, sched)
             if state is not None:
+                check_resumed_settings(state, settings, log)
                 epoch, skip, step = state["epoch"], state["samples_in_epoch"], state["step"]
                 if state["world_size"] != world:  # this world's lr (x world size) and its steps per epoch
                     step = epoch * steps_per_epoch + skip // (args.batch * world)
                     restart_schedule(sched, args.lr * world, step)
 
+    first_step = step
     keys = dict(op=f"{args.arch}{'-tiny' if args.tiny else ''} fashion-mnist",
                 provider="ddp" + ("+compile" if args.compile else "") + ("+syncbn" if args.sync_bn else ""),
                 shape=f"{world}x{args.batch}", dtype=args.precision, mode="wall")
@@ -234,7 +244,7 @@ def train(args, rt):
             if ckpt is not None and args.checkpoint_every and step % args.checkpoint_every == 0 and not end_of_epoch:
                 sync_buffers(module)
                 seen = skip + done * args.batch * world
-                ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": seen})
+                ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": seen, "settings": settings})
                 window_clean = False
         epoch_s = time.perf_counter() - epoch_t0
         sync_buffers(module)
@@ -250,7 +260,7 @@ def train(args, rt):
         else:  # stopped by --steps inside the epoch
             skip += done * args.batch * world
         if ckpt is not None:
-            ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": skip})
+            ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": skip, "settings": settings})
     bar.close()
     if ckpt is not None:
         ckpt.close()
@@ -274,7 +284,11 @@ def train(args, rt):
         summary["peak MiB"] = peak
     print(harness.markdown_table(["op", "provider", "shape", *summary],
                                  [[keys["op"], keys["provider"], keys["shape"], *summary.values()]]))
-    print(f"saved {results.save(harness.output_path(args, STUDY), merge=args.merge)}")
+    path = harness.output_path(args, STUDY)
+    if step == first_step:  # a resume of a finished run measured nothing: the results of the run it resumed stay
+        log.warning("nothing was trained: %s left as it was", path)
+        return results.rows
+    print(f"saved {results.save(path, merge=args.merge)}")
     return results.rows
 
 

@@ -39,10 +39,23 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from experiments import data, harness
-from experiments.training import add_run_args, decay_groups, finish_run_args, run_distributed, warmup_cosine_schedule
+from experiments.training import (
+    add_run_args,
+    check_resumed_settings,
+    decay_groups,
+    finish_run_args,
+    open_checkpointer,
+    run_distributed,
+    run_settings,
+    warmup_cosine_schedule,
+)
 from fuselab import distributed as fd
 
 STUDY = "train_fsdp"
+# What defines a run (checked on --resume); --steps may grow, the world size (and with it the global batch) change.
+SETTINGS = ("n_embd", "n_layer", "n_head", "seq", "activation", "dropout", "vocab_multiple", "tiny", "lr",
+            "min_lr_ratio", "warmup", "weight_decay", "clip", "seed", "precision", "corpus", "bpe", "max_tokens",
+            "val_fraction")
 H200_BF16_DENSE_TFLOPS = 989.4
 GPT2_VOCAB = 50257
 log = logging.getLogger("fuselab.train_fsdp")
@@ -116,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  checkpoint_every_help="steps between saves (0: only at the end)")
     harness.add_output_args(p)
     args = p.parse_args(argv)
-    finish_run_args(p, args, tiny=TINY)
+    finish_run_args(p, args, STUDY, tiny=TINY)
     if args.compile_scope != "blocks" and not args.compile:
         p.error("--compile-scope takes effect with --compile only")
     if args.vocab_multiple > 1024:
@@ -302,8 +315,9 @@ def train(args, rt):
 
     ckpt = None
     start, samples_seen = 0, 0
+    settings = run_settings(args, SETTINGS)
     if args.checkpoint_dir is not None:
-        ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
+        ckpt = open_checkpointer(args)
         if args.resume:
             try:
                 state = ckpt.load(model, opt, sched)
@@ -315,6 +329,7 @@ def train(args, rt):
                                  f"the vocabulary to {padded_vocab(args):,} rows; before that flag checkpoints "
                                  f"had GPT-2's 50,257: --vocab-multiple 1)") from None
             if state is not None:
+                check_resumed_settings(state, settings, log)
                 start, samples_seen = state["step"], state["samples_seen"]
                 if state.get("global_batch") != global_batch:
                     log.warning("the checkpoint's global batch was %s sequences, this run's is %d",
@@ -389,7 +404,8 @@ def train(args, rt):
             window_start = None
         if ckpt is not None and ((args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.steps):
             ckpt.save(step, model, opt, sched, {"samples_seen": samples_seen, "global_batch": global_batch,
-                                                "seq": args.seq, "tokens_seen": samples_seen * args.seq})
+                                                "seq": args.seq, "tokens_seen": samples_seen * args.seq,
+                                                "settings": settings})
             window_dirty = True  # a window that spans a save is not timed
     bar.close()
     if ckpt is not None:
@@ -402,6 +418,9 @@ def train(args, rt):
                     if device.type == "cuda" else None)
     if not rt.is_main:
         return None
+    if start >= args.steps:  # a resume of a finished run measured nothing: the results of the run it resumed stay
+        log.warning("nothing was trained: %s left as it was", harness.output_path(args, STUDY))
+        return []
     return report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib,
                           dict(op=op, provider=variant, shape=shape, dtype=args.precision, mode="wall"),
                           n_params, fpt, global_batch)

@@ -30,9 +30,9 @@ def add_run_args(g, *, log_every: int, timing_skip: int, checkpoint_every_help: 
     g.add_argument("--timeout", type=harness.positive_float, default=600.0, help="collective timeout, seconds")
 
 
-def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, tiny: Dict[str, object]) -> None:
+def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, study: str, tiny: Dict[str, object]) -> None:
     """With ``--tiny``, the ``tiny`` values for every option left at its default; then the run
-    arguments' checks and the precision's default."""
+    arguments' checks (``--out`` too) and the precision's default."""
     if args.tiny:
         defaults = {a.dest: a.default for a in p._actions}
         for key, value in tiny.items():
@@ -44,6 +44,37 @@ def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, tiny: 
         p.error("--device cuda: torch sees no CUDA device (use --device cpu)")
     if args.precision is None:
         args.precision = "bf16" if args.device == "cuda" else "fp32"
+    harness.output_path(args, study)  # --out's mistakes before the run
+
+
+def open_checkpointer(args: argparse.Namespace) -> fd.Checkpointer:
+    """``--checkpoint-dir``'s Checkpointer; SystemExit (before any training) where it holds checkpoints and
+    ``--resume`` is not given: the run would save beside another run's."""
+    ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
+    found = ckpt.checkpoints()
+    if found and not args.resume:
+        raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints (up to step {found[-1][0]}): pass "
+                         "--resume to continue that run, or give another folder")
+    return ckpt
+
+
+def run_settings(args: argparse.Namespace, names) -> Dict[str, object]:
+    """The settings that define a run (model, optimizer, data, seed), as saved in its checkpoints' train state."""
+    return {name: str(v) if isinstance(v := getattr(args, name), Path) else v for name in names}
+
+
+def check_resumed_settings(state: Dict[str, object], settings: Dict[str, object], log) -> None:
+    """SystemExit naming the settings a ``--resume`` would change: it continues the checkpoint's run (its optimizer and
+    schedule states are that run's), so a changed rate or model would train a hybrid under the new run's label."""
+    saved = state.get("settings")
+    if saved is None:
+        log.warning("the checkpoint predates saved run settings: they are not checked against this run's")
+        return
+    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {v!r}" for k, v in settings.items() if k in saved
+               and saved[k] != v]
+    if changed:
+        raise SystemExit(f"--resume: this run's settings differ from the checkpoint's run ({'; '.join(changed)}): a "
+                         "resume continues that run; pass its settings, or start a new run in another --checkpoint-dir")
 
 
 def run_distributed(train: Callable, args: argparse.Namespace):

@@ -244,6 +244,16 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
     assert {r["provider"] for r in rows} == {"single+vocab50304+fused-relu"}
     with pytest.raises(SystemExit, match="--vocab-multiple"):  # GPT-2's 50,257 rows: not the saved 50,304
         train_fsdp.main(common[1:] + ["--steps", "8", "--resume", "--vocab-multiple", "1"])
+    # a resume continues the saved run: other settings are refused, naming them (the rate was silently the
+    # checkpoint's, the activation silently changed under the old run's weights)
+    with pytest.raises(SystemExit, match="--activation 'relu' -> 'gelu'; --lr 0.0003 -> 0.01"):
+        train_fsdp.main([a for a in common[1:] if a not in ("--activation", "relu")]
+                        + ["--steps", "8", "--resume", "--lr", "0.01", "--activation", "gelu"])
+    with pytest.raises(SystemExit, match="holds checkpoints \\(up to step 6\\): pass --resume"):
+        train_fsdp.main(common[1:] + ["--steps", "8"])
+    before = (tmp_path / "b.json").read_text()  # a resume with nothing left to train leaves the results alone
+    assert train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--out", str(tmp_path / "b.json")]) == []
+    assert (tmp_path / "b.json").read_text() == before
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004",
                                                                      "step_00000006"]
 
@@ -268,6 +278,16 @@ def test_train_ddp_script(tmp_path):
 
     rows = train_ddp.main([*common, "--steps", "14", "--resume", "--out", str(tmp_path / "s.json")])
     assert {r["step"] for r in rows if r["metric"] == "test accuracy"} == {14}
+    with pytest.raises(SystemExit, match="--lr 0.1 -> 0.5"):  # it trained on at the checkpoint's rate, logging 0.5
+        train_ddp.main([*common, "--steps", "16", "--resume", "--lr", "0.5"])
+
+
+def test_an_out_folder_is_refused_before_the_run(tmp_path, capsys):
+    from experiments import train_ddp, train_fsdp
+
+    for parse in (train_ddp.parse_args, train_fsdp.parse_args):
+        with pytest.raises(SystemExit, match=f"--out {tmp_path} is a folder"):
+            parse(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
 
 
 def test_restart_schedule_moves_a_restored_schedule_to_this_world():
@@ -413,6 +433,26 @@ try:
     ck.save(-1, model)
 except ValueError as e:
     print("negative", e)
+# Another run's checkpoints in the folder: a Checkpointer that has not loaded one does not save beside them
+try:
+    fd.Checkpointer(sys.argv[1] + "-roll").save(5, model)
+except ValueError as e:
+    print("foreign", e)
+# A parameter without a gradient before the save (a head used later) has no optimizer state: the resume loads
+heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+head_opt = torch.optim.AdamW(heads.parameters(), lr=0.1)
+heads["a"](torch.ones(2, 4)).sum().backward()
+head_opt.step()
+unused = fd.Checkpointer(sys.argv[1] + "-unused")
+unused.save(1, heads, head_opt)
+head_opt2 = torch.optim.AdamW(heads.parameters(), lr=0.1)
+unused.load(heads, head_opt2)
+print("unused", len(head_opt2.state), heads["b"].weight in head_opt2.state)
+(unused.latest() / ".metadata").write_bytes(b"garbage")
+try:
+    unused.load(heads, head_opt2)
+except RuntimeError as e:
+    print("metadata", e)
 failing = fd.Checkpointer(sys.argv[1] + "-async", async_save=True)
 def disk_full(*args):
     raise OSError(28, "No space left on device")
@@ -439,7 +479,8 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     proc = finish(proc, 120)
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
-                 ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async"))
+                 ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
+                  "unused", "metadata"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -448,3 +489,6 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines
     assert "step must be an int >= 0, got -1" in lines["negative"], lines
     assert "was written but not published" in lines["async"] and "No space left" in lines["async"], lines
+    assert "holds checkpoints of later step(s) 250, 260 that this Checkpointer neither loaded" in lines["foreign"]
+    assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
+    assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines

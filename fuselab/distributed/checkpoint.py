@@ -18,7 +18,8 @@ rank 0 once DCP has finished (its ``.metadata`` is written last, after every ran
 process killed mid-save leaves only a temporary folder, which ``latest()`` never returns and
 the next save deletes. ``keep`` complete checkpoints are kept, the oldest deleted. A run resumed
 from an earlier checkpoint (``load(path=...)``) that saves again renames the later ones
-``abandoned-step_<n>/``: they are kept, but never resumed from or counted. Every rank must see the
+``abandoned-step_<n>/``: they are kept, but never resumed from or counted; a Checkpointer that has loaded
+nothing refuses to save before later checkpoints it did not write (another run's). Every rank must see the
 same folder (one node, or a shared filesystem across nodes). ``train_state`` must be the same on
 every rank (it is saved once); an optimizer that has not stepped yet is saved without state.
 
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 logger = logging.getLogger("fuselab.distributed")
 
@@ -118,6 +119,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _state_to_load_into(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+    """``get_state_dict(model, optimizer)`` with the optimizer's per-parameter state made for every parameter (what DCP
+    loads into). torch makes it by a step at lr 0 only where no parameter holds a gradient: gradients left over (a
+    forward and backward before the resume) would make it skip that, and the checkpoint's optimizer state would
+    silently not be loaded. They are set aside meanwhile."""
+    if optimizer is None:
+        return get_state_dict(model, [])
+    grads = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+    if not optimizer.state:
+        for p in grads:
+            p.grad = None
+    try:
+        return get_state_dict(model, optimizer)
+    finally:
+        for p, grad in grads.items():
+            p.grad = grad
+
+
+def _saved_part(optim_state: Dict[str, Any], saved: set, path: Path) -> Dict[str, Any]:
+    """``optim_state`` without the per-parameter state the checkpoint does not hold (a parameter that had no gradient
+    before the save, a head used later, has none); RuntimeError where it holds state that ``optim_state`` has no
+    place for (an optimizer that has stepped but not on those parameters)."""
+    kept = {name: {k: v for k, v in per_param.items() if f"optim.state.{name}.{k}" in saved}
+            for name, per_param in optim_state["state"].items()}
+    prefix = "optim.state."
+    missing = sorted({k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)} - set(kept))
+    if missing:
+        raise RuntimeError(f"{path} holds optimizer state for {', '.join(missing[:5])} that this optimizer has no "
+                           "state for: it has stepped without them; load into a freshly built optimizer")
+    return {**optim_state, "state": {name: entry for name, entry in kept.items() if entry}}
+
+
 def _first_failure(error: "CheckpointException") -> str:
     """The first rank's failure of a DCP CheckpointException, as one line."""
     for failure in (getattr(error, "failures", None) or {}).values():
@@ -148,6 +181,8 @@ class Checkpointer:
         self.async_save = async_save
         self._pending: Optional[Tuple[Any, Path, Path, threading.Event]] = None
         self._group = None
+        self._resumed_from: Optional[int] = None  # the step load() restored: this run's line starts there
+        self._saved: set = set()  # steps this Checkpointer wrote
         if _rank() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
         if async_save and dist.is_initialized():
@@ -185,6 +220,14 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
+        # Later checkpoints are set aside as a rollback's abandoned line only by a run that resumed (or wrote them)
+        foreign = ([n for n, _ in self.checkpoints() if n > step and n not in self._saved]
+                   if self._resumed_from is None else [])
+        if foreign:  # every rank sees the same folder: all raise
+            raise ValueError(f"{self.dir} holds checkpoints of later step(s) {', '.join(map(str, foreign[:5]))} that "
+                             "this Checkpointer neither loaded nor wrote (another run's, or this run's before a "
+                             f"restart without resuming): saving step {step} would set them aside; load() first to "
+                             "continue that run, or save into another directory")
         final = self.dir / f"{PREFIX}{step:08d}"
         tmp = self.dir / f"{TMP}{final.name}"
         if _rank() == 0:
@@ -237,6 +280,7 @@ class Checkpointer:
                 self._commit(tmp, final, info)
             _barrier()
             logger.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
+        self._saved.add(int(step))
         return final
 
     def _commit(self, tmp: Path, final: Path, info: Dict[str, Any]) -> None:
@@ -303,16 +347,19 @@ class Checkpointer:
             return None
         if not (path / ".metadata").exists():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
-        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        try:
+            saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        except Exception as e:  # noqa: BLE001  a truncated or foreign .metadata: name the checkpoint
+            raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
         t0 = time.perf_counter()
         with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
         if optimizer is not None and not with_optim:  # left untouched: get_state_dict would step it
             logger.warning("%s holds no optimizer state (saved before its first step?): the optimizer starts "
                            "fresh", path)
-        msd, osd = get_state_dict(model, optimizer if with_optim else [])
+        msd, osd = _state_to_load_into(model, optimizer if with_optim else None)
         state: Dict[str, Any] = {"model": msd, "train_state": ""}
         if with_optim:
-            state["optim"] = osd
+            state["optim"] = _saved_part(osd, saved, path)
         if scheduler is not None:
             if "scheduler" in saved:
                 state["scheduler"] = b""
@@ -331,8 +378,9 @@ class Checkpointer:
         except CheckpointException as e:  # a BaseException: `except Exception` would not see it
             raise RuntimeError(f"could not load {path}: {_first_failure(e)}") from e
         info = json.loads(state["train_state"])
+        # Not strict: a parameter the checkpoint holds no optimizer state for (no gradient before the save) has none
         set_state_dict(model, optimizer if "optim" in state else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+                       optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=False))
         if "scheduler" in state:
             scheduler.load_state_dict(pickle.loads(state["scheduler"]))
         if rng_key in state:
@@ -340,5 +388,6 @@ class Checkpointer:
         else:
             logger.warning("checkpoint written by %s rank(s), resumed on %d: model, optimizer and data position "
                            "restored (resharded), random generator states not", info.get("world_size"), _world())
+        self._resumed_from = info["step"]
         logger.info("resumed from %s (step %d) in %.1f s", path, info["step"], time.perf_counter() - t0)
         return info

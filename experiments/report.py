@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from experiments.harness import RESULTS, ROOT, Results, geomean, markdown_table
+from fuselab._results import NotResults
 
 DOCS = ROOT / "docs" / "results"
 README = ROOT / "README.md"
@@ -750,10 +751,9 @@ def _commits(res: Results, rows: List[dict]) -> str:
     return ", ".join(dict.fromkeys(str(res.runs.get(r["run"], {}).get("commit"))[:7] for r in rows))
 
 
-def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str, same_run: bool = False,
-                **where) -> Dict[tuple, tuple]:
-    """{(shape, dtype, mode): (ratio, rows)} where both ``provider`` and ``baseline`` were measured
-    (``same_run``: by one run, for figures that drift between runs)."""
+def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str, **where) -> Dict[tuple, tuple]:
+    """{(shape, dtype, mode): (ratio, rows)} where both ``provider`` and ``baseline`` were measured by one run (a
+    ratio across runs would divide figures of other commits, machines or drift phases)."""
     rows = select(res.rows, op=op, metric=metric, **where)
     cells = {(r["shape"], r["dtype"], r["mode"], r["provider"]): r for r in rows}
     hib = higher_is_better(metric)
@@ -762,7 +762,7 @@ def _ratio_rows(res: Results, op: str, provider: str, baseline: str, metric: str
         base = cells.get((shape, dtype, mode, baseline))
         if prov != provider or base is None or not r["p50"] or not base["p50"]:
             continue
-        if same_run and r["run"] != base["run"]:
+        if r["run"] != base["run"]:
             continue
         ratio = r["p50"] / base["p50"] if hib else base["p50"] / r["p50"]
         out[(shape, dtype, mode)] = (ratio, [r, base])
@@ -899,7 +899,7 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
     models = studies.get("model_eager")
     if models is not None:
         for op in ("infer", "train"):
-            found = _ratio_rows(models, op, "fuselab", "stock", "ms", same_run=True, mode="eager")
+            found = _ratio_rows(models, op, "fuselab", "stock", "ms", mode="eager")
             if found:
                 ratios = {k[0]: v[0] for k, v in found.items()}
                 lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
@@ -933,7 +933,7 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
                             "epilogue as torch ops (CUDA graph)",
                             f"{geomean(ratios):.2f}x geometric mean, {min(ratios):.2f}x-{max(ratios):.2f}x "
                             f"({len(found)} shapes)", _where(quant, rows)])
-        found = _ratio_rows(quant, "distill loss", "fuselab fused", "torch compiled", "ms", same_run=True, mode="graph")
+        found = _ratio_rows(quant, "distill loss", "fuselab fused", "torch compiled", "ms", mode="graph")
         if found:
             text = ", ".join(f"{found[k][0]:.2f}x at {k[0]}" for k in sorted(found, key=_size_of_shape))
             out.append(["DistillationLoss(fused=True) vs torch.compile of the PyTorch form, bf16 fwd+bwd, N x C "
@@ -992,15 +992,14 @@ def update_readme(readme: Path, text: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def load_all(results_dir: Path = RESULTS, strict: bool = False) -> Dict[str, Results]:
-    """Every results/*.json in the long format, by study; another file is reported (an error if ``strict``)."""
+def load_all(results_dir: Path = RESULTS) -> Dict[str, Results]:
+    """Every results/*.json in the long format, by study; a JSON file of another format is reported and skipped, a
+    damaged results file (not JSON, a row without its keys or run) raises ValueError naming it."""
     studies = {}
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
             res = Results.load(path)
-        except (ValueError, KeyError) as e:
-            if strict:
-                raise
+        except NotResults as e:
             print(f"skipped {path}: {e}", file=sys.stderr)
             continue
         if res.study in studies:
@@ -1043,7 +1042,12 @@ def main(argv=None):
     p.add_argument("--no-readme", action="store_true", help="leave the README alone")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    studies = load_all(args.results_dir)
+    if not args.no_readme and not args.readme.is_file():
+        p.error(f"--readme {args.readme}: no such file (--no-readme leaves the README alone)")
+    try:  # every file whole before any page is rewritten
+        studies = load_all(args.results_dir)
+    except ValueError as e:
+        raise SystemExit(f"experiments.report: {e}; nothing was written") from None
     if not studies:
         raise SystemExit(f"no results in {args.results_dir}")
     args.docs.mkdir(parents=True, exist_ok=True)

@@ -187,9 +187,9 @@ def train(args, rt):
     if args.checkpoint_dir is not None:
         ckpt = open_checkpointer(args)
         if args.resume:
+            check_resumed_settings(ckpt, settings, log)
             state = ckpt.load(model, opt, sched)
             if state is not None:
-                check_resumed_settings(state, settings, log)
                 epoch, skip, step = state["epoch"], state["samples_in_epoch"], state["step"]
                 if state["world_size"] != world:  # this world's lr (x world size) and its steps per epoch
                     step = epoch * steps_per_epoch + skip // (args.batch * world)

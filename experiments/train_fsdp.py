@@ -319,6 +319,7 @@ def train(args, rt):
     if args.checkpoint_dir is not None:
         ckpt = open_checkpointer(args)
         if args.resume:
+            check_resumed_settings(ckpt, settings, log)
             try:
                 state = ckpt.load(model, opt, sched)
             except RuntimeError as e:
@@ -329,7 +330,6 @@ def train(args, rt):
                                  f"the vocabulary to {padded_vocab(args):,} rows; before that flag checkpoints "
                                  f"had GPT-2's 50,257: --vocab-multiple 1)") from None
             if state is not None:
-                check_resumed_settings(state, settings, log)
                 start, samples_seen = state["step"], state["samples_seen"]
                 if state.get("global_batch") != global_batch:
                     log.warning("the checkpoint's global batch was %s sequences, this run's is %d",

@@ -53,6 +53,7 @@ def open_checkpointer(args: argparse.Namespace) -> fd.Checkpointer:
     ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
     found = ckpt.checkpoints()
     if found and not args.resume:
+        ckpt.close()
         raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints (up to step {found[-1][0]}): pass "
                          "--resume to continue that run, or give another folder")
     return ckpt
@@ -63,9 +64,13 @@ def run_settings(args: argparse.Namespace, names) -> Dict[str, object]:
     return {name: str(v) if isinstance(v := getattr(args, name), Path) else v for name in names}
 
 
-def check_resumed_settings(state: Dict[str, object], settings: Dict[str, object], log) -> None:
-    """SystemExit naming the settings a ``--resume`` would change: it continues the checkpoint's run (its optimizer and
-    schedule states are that run's), so a changed rate or model would train a hybrid under the new run's label."""
+def check_resumed_settings(ckpt: fd.Checkpointer, settings: Dict[str, object], log) -> None:
+    """SystemExit naming the settings a ``--resume`` would change, read before the checkpoint is loaded: a resume
+    continues the checkpoint's run (its optimizer and schedule states are that run's), so a changed rate or
+    model would train a hybrid under the new run's label."""
+    state = ckpt.train_state()
+    if state is None:
+        return
     saved = state.get("settings")
     if saved is None:
         log.warning("the checkpoint predates saved run settings: they are not checked against this run's")
@@ -73,6 +78,7 @@ def check_resumed_settings(state: Dict[str, object], settings: Dict[str, object]
     changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {v!r}" for k, v in settings.items() if k in saved
                and saved[k] != v]
     if changed:
+        ckpt.close()
         raise SystemExit(f"--resume: this run's settings differ from the checkpoint's run ({'; '.join(changed)}): a "
                          "resume continues that run; pass its settings, or start a new run in another --checkpoint-dir")
 

@@ -1,5 +1,7 @@
 """Small pieces fuselab's command lines, caches and result files share (and the experiments reuse)."""
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
@@ -22,6 +24,20 @@ def write_json_atomic(path: Path, data, **dump_kwargs) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock (``flock``) on ``path``'s ``.lock`` file for the block: processes that read, merge and
+    rewrite one file in turn do not lose each other's additions."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _file_mode(path: Path) -> int:

@@ -107,6 +107,23 @@ ROW_KEYS = ("study", "op", "provider", "shape", "dtype", "mode", "metric", "p20"
 FAILURE_KEYS = ("op", "provider", "shape", "dtype", "mode")  # what a failure is keyed by (no metric)
 
 
+class NotResults(ValueError):
+    """A JSON file of another format than fuselab's results (not a damaged results file)."""
+
+
+def _row_problem(row, runs: dict) -> Optional[str]:
+    """What makes ``row`` unreadable as a measurement of one of ``runs`` (None: nothing)."""
+    if not isinstance(row, dict):
+        return f"is not an object: {row!r:.80}"
+    missing = [k for k in (*ROW_KEYS, "run") if k not in row]
+    if missing:
+        return f"lacks {missing}"
+    if row["run"] not in runs:
+        return f"names run {row['run']!r}, which the file does not describe"
+    bad = [k for k in ("p20", "p50", "p80") if isinstance(row[k], bool) or not isinstance(row[k], (int, float))]
+    return f"has non-numeric {bad}" if bad else None
+
+
 class Results:
     """Long-format measurements of one study, with the environment of each run that made them.
 
@@ -214,7 +231,14 @@ class Results:
         except ValueError as e:
             raise ValueError(f"{path} is not JSON: {e}") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a fuselab results file (format fuselab-results/1)")
+            raise NotResults(f"{path} is not a fuselab results file (format fuselab-results/1)")
+        missing = [k for k in ("study", "runs", "rows") if k not in data]
+        if missing or not isinstance(data["rows"], list) or not isinstance(data["runs"], dict):
+            raise ValueError(f"{path}: a fuselab results file needs a study, a dict of runs and a list of rows")
+        for i, row in enumerate(data["rows"]):
+            problem = _row_problem(row, data["runs"])
+            if problem is not None:
+                raise ValueError(f"{path}: row {i} {problem}")
         return cls(data["study"], data["runs"], data["rows"], data.get("baselines"), data.get("failed"))
 
     def save(self, path: Path, merge: bool = False) -> Path:

@@ -381,3 +381,31 @@ def test_narrow_row_tiles_are_tuned_for_skinny_problems_only():
     assert {16, 32} <= row_tiles(16) and max(row_tiles(16)) <= 64
     assert {16, 32} <= row_tiles(64)
     assert min(row_tiles(128)) >= 64 and min(row_tiles(8192, tma_ok=False)) >= 64
+
+
+def _add_keys(path: str, who: int, count: int, start) -> None:
+    from fuselab._io import locked, write_json_atomic
+    from fuselab.kernels._autotune import _read_cache
+
+    start.wait()  # all at once, once imported
+    for i in range(count):  # what check_disk_cache does with a choice, under the same lock
+        with locked(Path(path)):
+            db = _read_cache(Path(path))
+            db[f"{who}-{i}"] = "config"
+            write_json_atomic(Path(path), db, sort_keys=True)
+
+
+def test_processes_storing_choices_at_once_keep_each_others(tmp_path):
+    # The re-read before each write merged other processes' keys, but two read-merge-writes at once lost one.
+    import multiprocessing
+
+    path = tmp_path / "cache.json"
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(4)
+    procs = [ctx.Process(target=_add_keys, args=(str(path), who, 50, start)) for who in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in procs)
+    assert len(json.loads(path.read_text())) == 200

@@ -908,6 +908,26 @@ def test_report_writes_docs_plots_and_headline(tmp_path, capsys):
     with pytest.raises(SystemExit, match="<!-- results:headline -->"):
         report.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme), "--no-plots"])
     assert readme.read_text() == "# no markers\n"
+    # a damaged results file is named, and nothing is rewritten (a truncated one was skipped, its headline row gone)
+    before = {p.name: p.read_bytes() for p in docs.iterdir()}
+    good = json.loads((results / "train_mlp.json").read_text())
+    for damage, words in (("truncated", "is not JSON"), ("no run", "row 0 lacks ['run']"),
+                          ("null p50", "row 0 has non-numeric ['p50']"), ("unknown run", "which the file does not describe")):
+        data = json.loads(json.dumps(good))
+        if damage == "no run":
+            del data["rows"][0]["run"]
+        elif damage == "null p50":
+            data["rows"][0]["p50"] = None
+        elif damage == "unknown run":
+            data["runs"] = {}
+        text = json.dumps(data)[:200] if damage == "truncated" else json.dumps(data)
+        (results / "train_mlp.json").write_text(text)
+        with pytest.raises(SystemExit, match=f"train_mlp.json.*{re.escape(words)}.*nothing was written"):
+            report.main(["--results-dir", str(results), "--docs", str(docs), "--no-readme", "--no-plots"])
+        assert {p.name: p.read_bytes() for p in docs.iterdir()} == before
+    with pytest.raises(SystemExit):
+        report.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(tmp_path / "missing.md")])
+    assert "--readme" in capsys.readouterr().err
 
 
 def test_tuned_choice_names_the_config_of_the_calls_own_key(tmp_path, env, monkeypatch):

@@ -89,7 +89,7 @@ def _tuning_records(caplog):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_dry_run_writes_results_and_configs(swept):
+def test_dry_run_writes_results_and_configs(swept, tmp_path):
     out, configs = swept
     results = Results.load(out)
     assert results.study == "tune"
@@ -121,6 +121,11 @@ def test_dry_run_writes_results_and_configs(swept):
         best = sweep.best_choices(results)[kernel]
         assert entry["configs"] == {key: row["config"] for key, row in best.items()} and set(entry["configs"]) == kernel_keys
         assert set(entry["configs"].values()) <= {str(c) for c in tuner.configs} | {"cublas"}
+    # the file credits the run that timed its choices (a later resume that timed nothing adds a run, not credit)
+    (run_id,) = results.runs
+    results.start_run({**run, "commit": "not-this-one"})
+    about = json.loads(sweep.write_configs(results, tmp_path).read_text())["about"]
+    assert list(about["runs"]) == [run_id] and about["runs"][run_id]["commit"] == run["commit"]
 
 
 def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):

@@ -43,7 +43,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 logger = logging.getLogger("fuselab.distributed")
 
@@ -209,6 +214,12 @@ class Checkpointer:
     def latest(self) -> Optional[Path]:
         found = self.checkpoints()
         return found[-1][1] if found else None
+
+    def train_state(self, path=None) -> Optional[Dict[str, Any]]:
+        """The train state (``step``, ``world_size`` and what ``save`` was given) of the latest (or ``path``'s)
+        checkpoint, read without loading it (a resume can check it first); None when there is none."""
+        path = Path(path) if path is not None else self.latest()
+        return None if path is None else json.loads((path / INFO).read_text())
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -378,9 +389,9 @@ class Checkpointer:
         except CheckpointException as e:  # a BaseException: `except Exception` would not see it
             raise RuntimeError(f"could not load {path}: {_first_failure(e)}") from e
         info = json.loads(state["train_state"])
-        # Not strict: a parameter the checkpoint holds no optimizer state for (no gradient before the save) has none
-        set_state_dict(model, optimizer if "optim" in state else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}), options=StateDictOptions(strict=False))
+        set_model_state_dict(model, state["model"])
+        if "optim" in state:  # not strict: a parameter that had no gradient before the save has no state in it
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
         if "scheduler" in state:
             scheduler.load_state_dict(pickle.loads(state["scheduler"]))
         if rng_key in state:

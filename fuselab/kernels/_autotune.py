@@ -41,7 +41,7 @@ import triton
 from triton.runtime.autotuner import Autotuner
 
 from fuselab import settings
-from fuselab._io import write_json_atomic
+from fuselab._io import locked, write_json_atomic
 from fuselab.kernels._runtime import INTERPRET, device_name
 
 # The per-GPU choices that ship in the package; a module attribute so that tests can point it elsewhere.
@@ -472,9 +472,10 @@ class PersistentAutotuner(Autotuner):
                     describe_key(self.keys, tuning_key), len(configs), where, path.parent)
         bench_fn()
         try:
-            db = _read_cache(path)  # re-read: another process may have added keys meanwhile
-            db[entry] = str(self.cache[tuning_key])
-            write_json_atomic(path, db, sort_keys=True)
+            with locked(path):  # re-read under the lock: another process may be adding keys meanwhile
+                db = _read_cache(path)
+                db[entry] = str(self.cache[tuning_key])
+                write_json_atomic(path, db, sort_keys=True)
         except OSError as e:  # a read-only or misplaced cache still works; it retunes next time, and says so once
             if path not in _UNWRITABLE:
                 _UNWRITABLE.add(path)

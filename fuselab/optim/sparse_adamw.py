@@ -8,7 +8,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from fuselab.kernels._runtime import ExecutionPath, execution_path, untraced
-from fuselab.kernels.sparse_adamw import sparse_adamw_update_
+from fuselab.kernels.sparse_adamw import check_row_ids, sparse_adamw_update_
 
 
 def _check_hyperparameters(group: dict) -> None:
@@ -82,9 +82,9 @@ class SparseAdamW(torch.optim.Optimizer):
     ``add_param_group``) for lr, eps or weight_decay < 0, betas that are not two numbers in [0, 1),
     and fused=True with complex parameters; at ``step()`` for a sparse gradient in a group with
     amsgrad=True and a sparse gradient that is not a row-sparse COO tensor of a parameter with
-    contiguous rows; IndexError at ``step()`` for a row id outside the parameter's rows (on CUDA, where
-    checking on the host would wait for the GPU, a device-side assert instead, as ``nn.Embedding``'s for an
-    id out of range), before any row or the step count changes.
+    contiguous rows; IndexError at ``step()`` for a row id outside its parameter's rows, before any parameter
+    of the step or its step count changes (on CUDA, where checking on the host would wait for the GPU, a
+    device-side assert instead, as at ``nn.Embedding``'s id out of range: it ends the process's CUDA context).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
@@ -156,6 +156,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_row_ids_on_the_host()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             betas = float(beta1), float(beta2)
@@ -195,6 +196,15 @@ class SparseAdamW(torch.optim.Optimizer):
                       beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                       maximize=group["maximize"], has_complex=any(torch.is_complex(p) for p in params))
         return loss
+
+    def _check_row_ids_on_the_host(self) -> None:
+        """Every sparse gradient's row ids that can be checked without waiting for a GPU, before any update: one
+        out of range (IndexError) then leaves every parameter of the step as it was."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None and grad.is_sparse and not p.is_cuda and grad._nnz():
+                    check_row_ids(grad._indices()[0], None, p)
 
     def _graphed_update(self, p: torch.Tensor, rows: list, indices: torch.Tensor, values: torch.Tensor,
                         step: torch.Tensor, hyper: tuple) -> None:

@@ -424,17 +424,18 @@ def write_configs(results: Results, directory: Optional[Path] = None, source: st
             raise SweepError(f"the results were measured on {run.get('gpu')}, this is {env['gpu']}: "
                              f"write the configs file on that GPU")
     prints = fingerprints()
-    chosen = {}
-    for kernel, keys in best_choices(results).items():
+    chosen, best = {}, best_choices(results)
+    for kernel, keys in best.items():
         timed_on = {run.get("fingerprints", {}).get(kernel) for run in results.runs.values()} - {None}
         if timed_on and timed_on != {prints[kernel]}:
             raise SweepError(f"the results timed another version of {kernel}: sweep again before writing configs")
         chosen[kernel] = (prints[kernel], {key: row["config"] for key, row in keys.items()})
     if not chosen:
         raise SweepError("no timed config in the results: nothing to write")
-    latest = results.runs[results.run_id] if results.run_id in results.runs else next(iter(results.runs.values()))
-    about = {"sweep": source, "commit": latest.get("commit"), "dirty": latest.get("dirty"),
-             "date": latest.get("date"), "grid": latest.get("grid"), "torch": latest.get("torch")}
+    # The runs that timed the chosen configs (a --resume that timed nothing adds a run that chose none)
+    timed_by = sorted({row["run"] for keys in best.values() for row in keys.values()})
+    about = {"sweep": source, "runs": {run: {k: results.runs.get(run, {}).get(k) for k in
+                                             ("commit", "dirty", "date", "grid", "torch")} for run in timed_by}}
     path = _autotune.shipped_configs_path(env["gpu"], directory)
     return _autotune.write_shipped_configs(path, env["gpu"], chosen, about)
 

@@ -565,9 +565,21 @@ def parse_args(argv):
     return p, args
 
 
+def recipe(args) -> str:
+    """How the students (and teacher) are trained: the runs whose seeds a summary may pool share it."""
+    return (f"SGD nesterov momentum 0.9 wd 5e-4, warm-up + cosine lr {args.lr}, batch {args.batch}; students "
+            f"{args.epochs} epochs (flips), teacher {args.teacher_epochs} epochs (flips, 2-pixel shifts); "
+            f"DistillationLoss(T={args.temperature}, alpha={args.alpha})" + ("; --tiny" if args.tiny else ""))
+
+
 def main(argv=None):
     p, args = parse_args(argv)
     out = output_path(args, STUDY)
+    if args.merge and out.exists() and args.load_students is None:  # the summaries pool the file's seeds with these
+        others = sorted({r.get("recipe") for r in Results.load(out).runs.values()} - {None, recipe(args)})
+        if others:
+            p.error(f"--merge {out}: its students were trained another way ({'; '.join(others)}), this run's "
+                    f"({recipe(args)}): their seeds would be pooled; write another file")
     device = parse_device(p, args.device, STUDY)
     if args.gpu:  # asked for explicitly
         require_cuda("distill_quantize --gpu")
@@ -615,11 +627,7 @@ def main(argv=None):
         from fuselab.quant import DistillationLoss
 
         distill = DistillationLoss(args.temperature, args.alpha)
-        results.annotate(recipe=f"SGD nesterov momentum 0.9 wd 5e-4, warm-up + cosine lr {args.lr}, "
-                                f"batch {args.batch}; "
-                                f"students {args.epochs} epochs (flips), teacher {args.teacher_epochs} epochs "
-                                f"(flips, 2-pixel shifts); DistillationLoss(T={args.temperature}, "
-                                f"alpha={args.alpha})")
+        results.annotate(recipe=recipe(args))
         for name in args.students:
             accs: Dict[str, Dict[int, float]] = {"scratch": {}, "distilled": {}}
             for seed in args.seeds:
@@ -664,8 +672,8 @@ def main(argv=None):
         saved.save(out)
     text = summary(saved)
     if args.tiny:  # a chance-level student here is a smoke run's, not distillation failing
-        text = ("--tiny: a smoke run of the machinery (tiny models, a few hundred images, 2 epochs); its "
-                "accuracies mean nothing.\n\n" + text)
+        text = (f"--tiny: a smoke run of the machinery (tiny models, {len(data.x):,} training images, {args.epochs} "
+                f"epoch(s)); its accuracies mean nothing.\n\n" + text)
     print("\n" + text)
     out.with_suffix(".md").write_text(f"# {STUDY}\n\n{text}\n")
     png = plot(saved, out.with_suffix(".png"))
@@ -906,7 +914,8 @@ def summary(res: Results) -> str:
         gain = statistics.fmean(d.values()) - statistics.fmean(s.values())
         beyond = min(d.values()) > max(s.values())
         worse = max(d.values()) < min(s.values())
-        verdict = ("yes: every distilled seed is above every scratch seed" if beyond else
+        verdict = ("n/a: one seed has no spread" if min(len(d), len(s)) < 2 else
+                   "yes: every distilled seed is above every scratch seed" if beyond else
                    "no: the distilled student is below the scratch one on every seed" if worse else
                    "no: the seeds' ranges overlap")
         out.append(f"- {arch}: distilled - scratch = {100 * gain:+.2f} points (mean of {len(d)} vs {len(s)} seeds; "

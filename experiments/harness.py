@@ -245,12 +245,17 @@ def output_path(args: argparse.Namespace, study: str) -> Path:
     work: the mistake shows at once, not after the run)."""
     if args.out is not None and args.results:
         raise SystemExit("--out and --results are exclusive")
-    if args.out is not None:
-        if args.out.is_dir():
-            raise SystemExit(f"--out {args.out} is a folder: give the results file's path "
-                             f"(e.g. {args.out / study}.json)")
-        return args.out
-    return (RESULTS if args.results else RUNS) / f"{study}.json"
+    if args.out is not None and args.out.is_dir():
+        raise SystemExit(f"--out {args.out} is a folder: give the results file's path (e.g. {args.out / study}.json)")
+    path = args.out if args.out is not None else (RESULTS if args.results else RUNS) / f"{study}.json"
+    if getattr(args, "merge", False) and path.exists():  # a file it cannot merge into: said before the work
+        try:
+            held = Results.load(path).study
+        except ValueError as e:
+            raise SystemExit(f"--merge: {e}") from None
+        if held != study:
+            raise SystemExit(f"--merge: {path} holds study {held!r}, not {study!r}")
+    return path
 
 
 def shape_dims(name: str) -> Tuple[int, int, int]:

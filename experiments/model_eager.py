@@ -36,6 +36,7 @@ from experiments.models import OPT_SIZES, opt_decoder
 from fuselab.kernels import eager_path
 
 STUDY = "model_eager"
+DTYPE_LABEL = {True: "bf16", False: "fp32"}  # by whether the models run on CUDA (_configuration's dtype)
 MODES = ("eager", "default", "reduce-overhead")
 
 
@@ -69,7 +70,7 @@ def run(args) -> harness.Results:
     rounds: these hosts drift by 10-40% over seconds, and a model's eager step at 1 x 128 tokens is
     host-bound, so variants timed one after another compare drifts, not variants."""
     results = harness.Results(STUDY)
-    device = torch.device(args.device)
+    device = args.device
     cuda = device.type == "cuda"
     groups = [(s, t, task, mode) for s in args.sizes for t in args.tokens for task in args.tasks for mode in args.modes]
     timed, start = set(), time.perf_counter()
@@ -77,7 +78,7 @@ def run(args) -> harness.Results:
         if args.budget_min and time.perf_counter() - start > 60 * args.budget_min:
             print(f"budget of {args.budget_min} min spent: the rest of the plan is not measured")
             break
-        common = dict(op=task, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
+        common = dict(op=task, shape=f"{size} {batch}x{seq}", dtype=DTYPE_LABEL[cuda], mode=mode)
         results.set_baseline(task, "stock")
         torch._dynamo.reset()
         with contextlib.ExitStack() as stack:
@@ -110,7 +111,8 @@ def run(args) -> harness.Results:
             for variant in args.variants:
                 if (size, (batch, seq), task, mode, variant) not in timed:  # cut by the budget, or out of memory
                     continue
-                keys = dict(op=task, provider=variant, shape=f"{size} {batch}x{seq}", dtype="bf16", mode=mode)
+                keys = dict(op=task, provider=variant, shape=f"{size} {batch}x{seq}", dtype=DTYPE_LABEL[cuda],
+                            mode=mode)
                 torch._dynamo.reset()
                 with _configuration(size, (batch, seq), task, mode, variant, device) as (step, _):
                     if args.trace:
@@ -135,7 +137,7 @@ def _configuration(size, tokens, task, mode, variant, device):
     torch.manual_seed(0)
     python_path = variant == "fuselab-python"
     model, vocab = opt_decoder(size, "fuselab" if python_path else variant, device=device,
-                               dtype=torch.bfloat16 if cuda else None)
+                               dtype=torch.bfloat16 if cuda else None)  # DTYPE_LABEL
     model.eval()  # no dropout in these configs; eval skips transformers' LayerDrop draw
     step = make_step(model, torch.randint(0, vocab, tokens, device=device), task, mode)
     if python_path:
@@ -203,13 +205,14 @@ def main(argv=None):
                    help="rounds of --iters steps of each variant, alternating (each quantile: its median round)")
     p.add_argument("--trace", action="store_true", help="GPU busy/idle time per step from a profiler trace")
     p.add_argument("--syncs", action="store_true", help="print the stack of every synchronizing call of a step")
-    p.add_argument("--budget-min", type=float, default=None, help="stop starting new configurations after this")
+    p.add_argument("--budget-min", type=harness.positive_float, default=None,
+                   help="stop starting new configurations after this")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     harness.add_output_args(p)
     args = p.parse_args(argv)
-    if args.device.startswith("cuda"):
-        harness.require_cuda(STUDY)
-    elif args.sizes != ["tiny"]:  # an OPT grid on a CPU runs for many minutes and measures nothing fuselab does there
+    args.device = harness.parse_device(p, args.device, STUDY)
+    # an OPT grid on a CPU runs for many minutes and measures nothing fuselab does there
+    if args.device.type == "cpu" and args.sizes != ["tiny"]:
         p.error(f"--sizes {','.join(args.sizes)} on the CPU: the patched models run PyTorch's ops there; use "
                 "--sizes tiny for a smoke run of the machinery, or run on a GPU")
     path = harness.output_path(args, STUDY)

@@ -112,7 +112,11 @@ def main(argv=None):
     print("\nStage 2: an MLP trained stock and with fuse_linear_relu")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real speed on a CPU
     cmd = [sys.executable, "-m", "experiments.train_mlp", "--epochs", "3" if on_gpu else "2"]
-    cmd += (["--data", args.data] if args.data else []) + (["--results", "--merge"] if args.results else [])
+    cmd += ["--data", args.data] if args.data else []
+    if args.out is not None:  # beside stage 1's file, not the repository's runs/
+        cmd += ["--out", str(args.out.with_name(f"{args.out.stem}.train_mlp.json"))]
+    # results/train_mlp.json holds both devices' rows: a --results run merges into it
+    cmd += ["--results", "--merge"] if args.results else ["--merge"] if args.merge else []
     status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
     if status:
         sys.exit(f"stage 2 (python -m experiments.train_mlp) failed with exit status {status}")

@@ -275,3 +275,19 @@ def test_merged_runs_get_fresh_summaries_over_every_seed(tmp_path):
 def test_a_tiny_run_stays_out_of_the_published_results(capsys):
     # Its models keep the real ones' names: merged, a tiny seed would average with an H200 run's.
     assert "smoke run" in usage_error(capsys, ["--tiny", "--results"])
+
+
+def test_one_seed_has_no_spread_and_a_merge_keeps_one_recipe(tmp_path, capsys):
+    # "beyond the seeds' spread: yes" was printed from one seed each; a --merge pooled seeds of another recipe.
+    res = Results(dq.STUDY)
+    study = dq.Study(res)
+    study.accuracy("distilled cnn", 3, 0.9)
+    study.accuracy("scratch cnn", 3, 0.8)
+    assert "Beats scratch beyond the seeds' spread: **n/a: one seed has no spread**" in dq.summary(res)
+    path = tmp_path / "dq.json"
+    other = Results(dq.STUDY)
+    other.start_run({"gpu": "CPU", "recipe": "SGD ... DistillationLoss(T=1.0, alpha=0.05); --tiny"})
+    other.save(path)
+    with pytest.raises(SystemExit):
+        dq.main(["--tiny", "--merge", "--out", str(path)])
+    assert "its students were trained another way" in capsys.readouterr().err

@@ -373,6 +373,7 @@ def test_model_eager_times_stock_and_patched_decoders(tmp_path, monkeypatch, cap
         a, b = timed[6 * task:6 * task + 2]
         assert a is not b and timed[6 * task:6 * task + 6] == [a, b, b, a, a, b]
     assert res.baselines == {"infer": "stock", "train": "stock"}
+    assert {r["dtype"] for r in res.rows} == {"fp32"}  # the CPU's models run in fp32 (they were labelled bf16)
     for task in ("infer", "train"):
         for variant in ("stock", "fuselab"):
             row = res.select(op=task, provider=variant, metric="ms")
@@ -990,3 +991,29 @@ def test_step_diagnosis_counts_what_a_step_does_on_the_gpu():
     syncs = re.search(r"(\d+) synchronizing calls a step", line)
     # .item() waits at least once (torch's sync debug mode reports its copy and its wait)
     assert syncs and int(syncs.group(1)) >= 1 and "GPU busy 0.000 ms" not in line, line
+
+
+def test_merges_that_would_mislabel_rows_are_refused(tmp_path, capsys):
+    # A --merge into another study's file failed only at the end (the run lost); a CPU run's rows replaced an H200
+    # file's under the same labels (rows name no device).
+    from fuselab._results import Results
+
+    other = tmp_path / "other.json"
+    shutil.copy(harness.RESULTS / "compile_speedup.json", other)
+    with pytest.raises(SystemExit, match="holds study 'compile_speedup', not 'train_mlp'"):
+        train_mlp.main(["--epochs", "1", "--merge", "--out", str(other)])
+    gpu_file = tmp_path / "gpu.json"
+    gpu = Results("s")
+    gpu.start_run({"gpu": "NVIDIA H200"})
+    gpu.record(op="o", provider="p", shape="x", dtype="fp32", mode="wall", metric="ms", value=1.0)
+    gpu.save(gpu_file)
+    cpu = Results("s")
+    cpu.start_run({"gpu": "CPU"})
+    cpu.record(op="o", provider="p", shape="x", dtype="fp32", mode="wall", metric="ms", value=9.0)
+    with pytest.raises(ValueError, match="would replace 1 row\\(s\\) measured on NVIDIA H200; its rows are in"):
+        cpu.save(gpu_file, merge=True)
+    assert Results.load(gpu_file).rows[0]["p50"] == 1.0
+    assert Results.load(tmp_path / "gpu.unmerged.json").rows[0]["p50"] == 9.0
+    cpu.record(op="o2", provider="p", shape="x", dtype="fp32", mode="wall", metric="ms", value=9.0)
+    cpu.rows = cpu.rows[1:]  # a row of its own key merges beside the GPU's
+    assert len(Results.load(cpu.save(gpu_file, merge=True)).rows) == 2

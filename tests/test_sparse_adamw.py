@@ -671,12 +671,13 @@ def test_movielens_accuracy_smoke():
 
     ratings = tiny_ratings()
     rows = movielens_accuracy(ratings, epochs=2, dim=4, batch=64, device="cpu")
-    assert [r["optimizer"] for r in rows] == list(OPTIMIZERS.fns)
+    # graphs=True is the plain update on a CPU: not run there as a provider of its own
+    assert [r["optimizer"] for r in rows] == [n for n in OPTIMIZERS.fns if n != "SparseAdamW (graphs)"]
     assert all(math.isfinite(r["test RMSE"]) and r["ms/step"] > 0 and r["peak MiB"] is None for r in rows)
-    # Each optimizer sees the same batches whatever ran before it (graphs=True is the plain update on a CPU)
+    # Each optimizer sees the same batches whatever ran before it
     rmse = {r["optimizer"]: r["test RMSE"] for r in rows}
     alone = movielens_accuracy(ratings, epochs=2, dim=4, batch=64, device="cpu", optimizers=["SparseAdamW"])
-    assert rmse["SparseAdamW"] == alone[0]["test RMSE"] == rmse["SparseAdamW (graphs)"]
+    assert rmse["SparseAdamW"] == alone[0]["test RMSE"]
 
 
 def test_sparse_embedding_command_line(tmp_path):

@@ -188,6 +188,8 @@ def movielens_accuracy(ratings: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     cols = [t.to(device) for t in (users, items, stars)]
     shape = f"{name}, dim {dim}, batch {batch}, {epochs} epochs"
     rows = []
+    if device.type != "cuda" and optimizers is not None and "SparseAdamW (graphs)" in optimizers:
+        raise ValueError("SparseAdamW (graphs) measures CUDA graphs: on a CPU it is plain SparseAdamW")
     for opt_name, make in OPTIMIZERS.select(optimizers).items():
         if opt_name == "SparseAdamW (graphs)" and device.type != "cuda":  # graphs=True is plain SparseAdamW there
             continue

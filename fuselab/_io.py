@@ -1,7 +1,6 @@
 """Small pieces fuselab's command lines, caches and result files share (and the experiments reuse)."""
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import tempfile
@@ -29,15 +28,27 @@ def write_json_atomic(path: Path, data, **dump_kwargs) -> Path:
 @contextlib.contextmanager
 def locked(path: Path):
     """An exclusive lock (``flock``) on ``path``'s ``.lock`` file for the block: processes that read, merge and
-    rewrite one file in turn do not lose each other's additions."""
+    rewrite one file in turn do not lose each other's additions. Where no lock can be had (another user's lock
+    file, a filesystem without flock) the block runs unlocked, as before locks: a lost addition is retimed."""
+    import fcntl  # POSIX only: imported where it is used
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    try:
+        fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # ENOLCK, ENOSYS, EOPNOTSUPP: no locks here
+                os.close(fd)
+                fd = None
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing releases the lock
 
 
 def _file_mode(path: Path) -> int:

@@ -241,18 +241,6 @@ class Results:
                 raise ValueError(f"{path}: row {i} {problem}")
         return cls(data["study"], data["runs"], data["rows"], data.get("baselines"), data.get("failed"))
 
-    def _refuse_replacing_another_device(self, path: Path, old: "Results", replaced: List[dict]) -> None:
-        """ValueError where this run's rows would replace rows measured on another device (a CPU run merged into a
-        GPU file: the rows' keys name no device); this run's rows are written beside ``path`` first."""
-        devices = {old.runs.get(r["run"], {}).get("gpu") for r in replaced}
-        mine = {run.get("gpu") for run in self.runs.values()}
-        if devices - mine:
-            side = path.with_name(f"{path.stem}.unmerged.json")
-            write_json_atomic(side, self.to_json())
-            raise ValueError(f"{path}: not merged: this run ({', '.join(map(str, sorted(mine)))}) would replace "
-                             f"{len(replaced)} row(s) measured on {', '.join(map(str, sorted(devices - mine)))}; "
-                             f"its rows are in {side}")
-
     def save(self, path: Path, merge: bool = False) -> Path:
         """Write atomically (a crash leaves the old file whole); ``merge`` keeps the rows already
         there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric)."""
@@ -264,7 +252,6 @@ class Results:
                 raise ValueError(f"{path} holds study {old.study!r}, not {self.study!r}: not merged")
             mine = {tuple(r.get(k) for k in ROW_KEYS[1:7]) for r in self.rows}
             kept = [r for r in old.rows if tuple(r.get(k) for k in ROW_KEYS[1:7]) not in mine]
-            self._refuse_replacing_another_device(path, old, [r for r in old.rows if r not in kept])
             # an earlier failure stays listed until this run measures or fails that configuration again
             tried = {tuple(r.get(k) for k in FAILURE_KEYS) for r in self.rows + self.failed}
             kept_failed = [f for f in old.failed if tuple(f.get(k) for k in FAILURE_KEYS) not in tried]

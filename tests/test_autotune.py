@@ -384,15 +384,11 @@ def test_narrow_row_tiles_are_tuned_for_skinny_problems_only():
 
 
 def _add_keys(path: str, who: int, count: int, start) -> None:
-    from fuselab._io import locked, write_json_atomic
-    from fuselab.kernels._autotune import _read_cache
+    from fuselab.kernels._autotune import store_choice
 
     start.wait()  # all at once, once imported
-    for i in range(count):  # what check_disk_cache does with a choice, under the same lock
-        with locked(Path(path)):
-            db = _read_cache(Path(path))
-            db[f"{who}-{i}"] = "config"
-            write_json_atomic(Path(path), db, sort_keys=True)
+    for i in range(count):
+        store_choice(Path(path), f"{who}-{i}", "config")
 
 
 def test_processes_storing_choices_at_once_keep_each_others(tmp_path):

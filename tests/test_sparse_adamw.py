@@ -530,9 +530,9 @@ def test_row_ids_outside_the_parameter_raise_before_anything_changes(fused, bad)
             state = [p.detach().clone(), torch.zeros(4, 3), torch.zeros(4, 3)]
             sparse_adamw_torch(*state, p.grad._indices()[0], p.grad._values(), 0.1, 0.9, 0.999, 1e-8, 0.0,
                                torch.tensor(1.0), False)
-    assert torch.equal(storage, torch.zeros_like(storage)) and torch.equal(good, torch.zeros_like(good))
-    if fused:
-        assert not opt.state  # no parameter's step was counted
+    assert torch.equal(storage, torch.zeros_like(storage))
+    if fused:  # the optimizer's step: the good parameter before it is left as it was too
+        assert torch.equal(good, torch.zeros_like(good)) and not opt.state  # no parameter's step was counted
 
 
 _OUT_OF_RANGE_ON_CUDA = """

@@ -219,7 +219,12 @@ class Checkpointer:
         """The train state (``step``, ``world_size`` and what ``save`` was given) of the latest (or ``path``'s)
         checkpoint, read without loading it (a resume can check it first); None when there is none."""
         path = Path(path) if path is not None else self.latest()
-        return None if path is None else json.loads((path / INFO).read_text())
+        if path is None:
+            return None
+        try:
+            return json.loads((path / INFO).read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"could not read {path / INFO}: {type(e).__name__}: {e}") from e
 
     # -- saving -------------------------------------------------------------------------------
 

@@ -188,6 +188,14 @@ def _read_cache(path: Path) -> Dict[str, str]:
     return {}
 
 
+def store_choice(path: Path, entry: str, choice: str) -> None:
+    """Add ``entry: choice`` to the cache file ``path``, re-read under a lock: other processes may be adding keys."""
+    with locked(path):
+        db = _read_cache(path)
+        db[entry] = choice
+        write_json_atomic(path, db, sort_keys=True)
+
+
 _shipped_files: Dict[Tuple[Path, int, int], dict] = {}  # (path, mtime, size) -> its parsed content
 _warned_shipped: Set[Tuple[Path, str]] = set()
 
@@ -472,10 +480,7 @@ class PersistentAutotuner(Autotuner):
                     describe_key(self.keys, tuning_key), len(configs), where, path.parent)
         bench_fn()
         try:
-            with locked(path):  # re-read under the lock: another process may be adding keys meanwhile
-                db = _read_cache(path)
-                db[entry] = str(self.cache[tuning_key])
-                write_json_atomic(path, db, sort_keys=True)
+            store_choice(path, entry, str(self.cache[tuning_key]))
         except OSError as e:  # a read-only or misplaced cache still works; it retunes next time, and says so once
             if path not in _UNWRITABLE:
                 _UNWRITABLE.add(path)

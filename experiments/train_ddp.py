@@ -35,7 +35,6 @@ from tqdm import tqdm
 from experiments import data, harness
 from experiments.training import (
     add_run_args,
-    check_resumed_settings,
     decay_groups,
     finish_run_args,
     open_checkpointer,
@@ -185,9 +184,8 @@ def train(args, rt):
     ckpt, epoch, skip, step = None, 0, 0, 0
     settings = run_settings(args, SETTINGS)
     if args.checkpoint_dir is not None:
-        ckpt = open_checkpointer(args)
+        ckpt = open_checkpointer(args, settings, log)
         if args.resume:
-            check_resumed_settings(ckpt, settings, log)
             state = ckpt.load(model, opt, sched)
             if state is not None:
                 epoch, skip, step = state["epoch"], state["samples_in_epoch"], state["step"]

@@ -41,7 +41,6 @@ from tqdm import tqdm
 from experiments import data, harness
 from experiments.training import (
     add_run_args,
-    check_resumed_settings,
     decay_groups,
     finish_run_args,
     open_checkpointer,
@@ -317,9 +316,8 @@ def train(args, rt):
     start, samples_seen = 0, 0
     settings = run_settings(args, SETTINGS)
     if args.checkpoint_dir is not None:
-        ckpt = open_checkpointer(args)
+        ckpt = open_checkpointer(args, settings, log)
         if args.resume:
-            check_resumed_settings(ckpt, settings, log)
             try:
                 state = ckpt.load(model, opt, sched)
             except RuntimeError as e:

@@ -47,40 +47,33 @@ def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, study:
     harness.output_path(args, study)  # --out's mistakes before the run
 
 
-def open_checkpointer(args: argparse.Namespace) -> fd.Checkpointer:
-    """``--checkpoint-dir``'s Checkpointer; SystemExit (before any training) where it holds checkpoints and
-    ``--resume`` is not given: the run would save beside another run's."""
+def open_checkpointer(args: argparse.Namespace, settings: Dict[str, object], log) -> fd.Checkpointer:
+    """``--checkpoint-dir``'s Checkpointer, checked before any training or loading: SystemExit where it holds
+    checkpoints and ``--resume`` is not given (the run would save beside another run's), and for a ``--resume``
+    that changes one of ``settings`` (see ``run_settings``), naming it: a resume continues the checkpoint's run
+    (its optimizer and schedule states are that run's), so a changed rate or model would train a hybrid under
+    the new run's label."""
     ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
     found = ckpt.checkpoints()
     if found and not args.resume:
         ckpt.close()
         raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints (up to step {found[-1][0]}): pass "
                          "--resume to continue that run, or give another folder")
+    saved = (ckpt.train_state() or {}).get("settings") if found else None
+    if found and saved is None:
+        log.warning("the checkpoint predates saved run settings: they are not checked against this run's")
+    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {v!r}" for k, v in settings.items()
+               if saved is not None and k in saved and saved[k] != v]
+    if changed:
+        ckpt.close()
+        raise SystemExit(f"--resume: this run's settings differ from the checkpoint's run ({'; '.join(changed)}): a "
+                         "resume continues that run; pass its settings, or start a new run in another --checkpoint-dir")
     return ckpt
 
 
 def run_settings(args: argparse.Namespace, names) -> Dict[str, object]:
     """The settings that define a run (model, optimizer, data, seed), as saved in its checkpoints' train state."""
     return {name: str(v) if isinstance(v := getattr(args, name), Path) else v for name in names}
-
-
-def check_resumed_settings(ckpt: fd.Checkpointer, settings: Dict[str, object], log) -> None:
-    """SystemExit naming the settings a ``--resume`` would change, read before the checkpoint is loaded: a resume
-    continues the checkpoint's run (its optimizer and schedule states are that run's), so a changed rate or
-    model would train a hybrid under the new run's label."""
-    state = ckpt.train_state()
-    if state is None:
-        return
-    saved = state.get("settings")
-    if saved is None:
-        log.warning("the checkpoint predates saved run settings: they are not checked against this run's")
-        return
-    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {v!r}" for k, v in settings.items() if k in saved
-               and saved[k] != v]
-    if changed:
-        ckpt.close()
-        raise SystemExit(f"--resume: this run's settings differ from the checkpoint's run ({'; '.join(changed)}): a "
-                         "resume continues that run; pass its settings, or start a new run in another --checkpoint-dir")
 
 
 def run_distributed(train: Callable, args: argparse.Namespace):

@@ -44,9 +44,9 @@ in float64 on the device: beta arrives as two fp32 halves (hi + lo: beta to 2**-
 from repeated squaring over the bits of t (2 log2(t) roundings of 2**-53), so 1 - beta**t keeps ~1e-9
 relative accuracy even where it is small (beta2 = 0.99999, t = 1: 1e-5) before its one rounding to
 fp32; 1 - beta itself is passed from the host, not formed from an fp32 beta. A row id outside [0, rows)
-(``torch.sparse_coo_tensor`` does not check its indices by default) stops the step before any row is
-written (``check_row_ids``). float64 parameters take the PyTorch path (``sparse_adamw_torch``:
-``coalesce()``, which waits for the host).
+(``torch.sparse_coo_tensor`` does not check its indices by default) stops an eager step before any row is
+written (``check_row_ids``; under torch.compile the check is not made yet). float64 parameters take the
+PyTorch path (``sparse_adamw_torch``: ``coalesce()``, which waits for the host).
 """
 import struct
 from typing import Optional

@@ -234,7 +234,7 @@ def main(argv=None):
     device = parse_device(p, args.device, STUDY)
     grid = parse_plan(args, p)
     out = output_path(args, STUDY)
-    results = Results(STUDY)
+    results = Results(STUDY, device=device)
     results.annotate(tiny=args.tiny)
     for model, task, *_ in grid:
         results.set_baseline(f"{family(model)} {task}", FAMILIES[family(model)])

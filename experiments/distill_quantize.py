@@ -603,7 +603,7 @@ def main(argv=None):
         torch.backends.cudnn.benchmark = True
     archs = TINY_ARCHS if args.tiny else ARCHS
 
-    results = Results(STUDY)
+    results = Results(STUDY, device=device)
     study = Study(results)
     results.annotate(data=data.name if args.data is None else f"{data.name} ({args.data})", train_device=str(device),
                      cudnn_allow_tf32=torch.backends.cudnn.allow_tf32 if device.type == "cuda" else None)
@@ -856,8 +856,7 @@ class _inductor_freezing:
 
 def _acc_stats(res: Results, provider: str) -> Optional[Tuple[float, float, float, float, int]]:
     """(mean, std, min, max, n) over the seeds' accuracy rows of ``provider``."""
-    vals = [r["p50"] for r in res.select(op="accuracy", provider=provider, metric="test accuracy")
-            if r["shape"].startswith("seed ")]
+    vals = list(_seed_accs(res, provider).values())  # a seed measured by two runs (two devices) counts once
     if not vals:
         return None
     return (statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, min(vals), max(vals),

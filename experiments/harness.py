@@ -237,7 +237,8 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", action="store_true",
                         help="write the committed results/<study>.json that the docs are generated from")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the rows already in the output file that this run does not measure again")
+                        help="keep the rows already in the output file that this run does not measure again "
+                             "(rows measured on another type of device, a GPU's beside a CPU run's, are kept)")
 
 
 def output_path(args: argparse.Namespace, study: str) -> Path:

@@ -69,7 +69,7 @@ def run(args) -> harness.Results:
     The variants of one size x tokens x task x mode are built together and timed in alternating
     rounds: these hosts drift by 10-40% over seconds, and a model's eager step at 1 x 128 tokens is
     host-bound, so variants timed one after another compare drifts, not variants."""
-    results = harness.Results(STUDY)
+    results = harness.Results(STUDY, device=args.device)
     device = args.device
     cuda = device.type == "cuda"
     groups = [(s, t, task, mode) for s in args.sizes for t in args.tokens for task in args.tasks for mode in args.modes]

@@ -31,7 +31,7 @@ DOCS = ROOT / "docs" / "results"
 README = ROOT / "README.md"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- results:headline -->", "<!-- /results:headline -->"
 OP_BASELINE = "<op baseline>"  # a View's baseline: the op's provider named in the file's ``baselines``
-STANDARD_ENV = ("gpu", "driver", "torch", "triton", "cuda", "python", "commit", "dirty", "date", "converted_from")
+STANDARD_ENV = ("gpu", "device", "driver", "torch", "triton", "cuda", "python", "commit", "dirty", "date", "converted_from")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -523,21 +523,29 @@ def render_view(res: Results, spec: Spec, view: View) -> Tuple[List[str], set]:
             continue  # a view against a named peer that was not measured: nothing to show
         covered |= {(op, view.metric) for op in ops}
         with_runs = len({r["run"] for r in sub}) > 1
-        table = build_table(sub, view.index, view.column, baseline, spec.orders, with_runs)
+        index = view.index
+        cells = {}
+        for r in sub:
+            cells.setdefault((*(r[k] for k in view.index), r[view.column]), set()).add(res.device_of(r))
+        if any(len(devices) > 1 for devices in cells.values()):  # a CPU run merged beside a GPU run's labels
+            sub, index = [{**r, "device": res.device_of(r)} for r in sub], ("device", *view.index)
+        table = build_table(sub, index, view.column, baseline, spec.orders, with_runs)
         names = dict(zip(view.split, part), metric=view.metric)
         title = (view.title or ", ".join(str(v) for v in part) + (": " if part else "") + "{metric}").format(**names)
         out += [f"### {title}", ""]
         if view.note:
             out += [view.note, ""]
         out += [markdown_table(table.header, table.lines), ""]
-        out += geomean_lines(table, view)
+        out += geomean_lines(table, view, index)
     return out, covered
 
 
-def geomean_lines(table: Table, view: View) -> List[str]:
+def geomean_lines(table: Table, view: View, index: Sequence[str]) -> List[str]:
+    """Geometric means of the ratio columns per ``view.geomean_by`` group (and per device, where ``index`` has one)."""
     if not view.geomean_by or not table.ratios or len(table.keys) < 2:
         return []
-    pos = [view.index.index(k) for k in view.geomean_by]
+    by = (("device",) if "device" in index and "device" not in view.geomean_by else ()) + tuple(view.geomean_by)
+    pos = [list(index).index(k) for k in by]
     out = []
     for col, by_key in table.ratios.items():
         groups: Dict[tuple, List[float]] = {}
@@ -678,6 +686,13 @@ def tick_label(group: tuple) -> str:
     return "\n".join(p.replace(" ", "\n") if len(p) > 16 else p for p in kept)
 
 
+def main_device(res: Results) -> Results:
+    """What a plot or a headline figure shows of a file holding several devices' runs: the GPU's rows
+    (the tables show every device's)."""
+    devices = res.devices()
+    return res if len(devices) < 2 else res.on_device("cuda" if "cuda" in devices else devices[0])
+
+
 def plot_study(res: Results, spec: Spec, path: Path) -> Optional[Path]:
     """The study's bar chart (``spec.plot``) as a PNG; None when there is nothing to plot."""
     if spec.own_page is not None:
@@ -685,6 +700,7 @@ def plot_study(res: Results, spec: Spec, path: Path) -> Optional[Path]:
     if not has_plot(res, spec):
         return None
     p = spec.plot
+    res = main_device(res)
     rows = select(res.rows, metric=p.metric, **p.where)
     import matplotlib
 
@@ -828,6 +844,7 @@ def _size_of_shape(key: tuple) -> tuple:
 
 def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
     """[figure, value, where] lines of the README's headline table, from whatever results exist."""
+    studies = {name: main_device(res) for name, res in studies.items()}
     out = []
 
     def gemm(op, provider, baseline, label, dtype="bf16"):

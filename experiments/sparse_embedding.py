@@ -492,7 +492,7 @@ def main(argv=None) -> Results:
     ratings = load_ratings(args.data)  # every input is read before any measurement
     tokens = load_tokens(args.tokens, args.corpus, args.sdist) if args.throughput and "gpt2" in names else None
 
-    results = Results(STUDY)
+    results = Results(STUDY, device=device)
     results.annotate(data=str(args.data.name))
     if tokens is not None:  # the stream the gpt2 rows read
         results.annotate(tokens=str(args.tokens or args.corpus))

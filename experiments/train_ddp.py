@@ -199,7 +199,7 @@ def train(args, rt):
                 shape=f"{world}x{args.batch}", dtype=args.precision, mode="wall")
     log.info("%s: %s, %d rank(s) x batch %d, lr %.3g (= %.3g x %d), %d steps/epoch, %d steps", keys["op"],
              keys["provider"], world, args.batch, args.lr * world, args.lr, world, steps_per_epoch, total_steps)
-    results = harness.Results(STUDY)
+    results = harness.Results(STUDY, device=args.device)
     windows, accuracies = [], []
     bar = tqdm(total=total_steps, initial=step, desc=STUDY, disable=not rt.is_main, dynamic_ncols=True)
     if cuda:

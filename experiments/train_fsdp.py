@@ -434,7 +434,7 @@ def evaluate(model, windows: Windows, args, rt, forward_loss) -> float:
 
 
 def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch):
-    results = harness.Results(STUDY)
+    results = harness.Results(STUDY, device=args.device)
     extra = dict(world_size=rt.world_size, params=n_params, flops_per_token=fpt, global_batch=global_batch,
                  seq=args.seq, vocab=padded_vocab(args),
                  flop_formula="6*N + 12*L*d*T per token (N without the position embedding and vocabulary padding)")

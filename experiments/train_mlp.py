@@ -113,7 +113,7 @@ def main(argv=None):
     d_in, h = splits[0][0].shape[1], args.hidden
     base = nn.Sequential(nn.Linear(d_in, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10)).to(device)
     initial = copy.deepcopy(base)  # every provider starts from the same weights
-    results = Results(STUDY)
+    results = Results(STUDY, device=device)
     results.annotate(data=name if args.data is None else f"{name} ({args.data})", lr=args.lr, hidden=args.hidden)
     results.set_baseline(f"train on {device.type}", PROVIDERS)
     op, shape = f"train on {device.type}", f"{name}, {d_in}-{h}-{h}-10, batch {args.batch}"

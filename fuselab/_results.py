@@ -61,9 +61,12 @@ def _git(*args: str) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def environment(commit: Optional[str] = None, dirty: Optional[bool] = None) -> Dict[str, object]:
+def environment(commit: Optional[str] = None, dirty: Optional[bool] = None,
+                device: Optional[str] = None) -> Dict[str, object]:
     """Where a measurement was made. A copy without .git (a lent GPU machine) passes the commit as
-    ``commit``/``dirty``, or in FUSELAB_GIT_COMMIT and FUSELAB_GIT_DIRTY."""
+    ``commit``/``dirty``, or in FUSELAB_GIT_COMMIT and FUSELAB_GIT_DIRTY. ``device``: the type of
+    device the run measures on ("cpu" for a ``--device cpu`` run on a GPU host); default: the GPU if
+    there is one (the interpreter's runs are "cpu")."""
     import triton
 
     commit = commit or os.environ.get("FUSELAB_GIT_COMMIT") or _git("rev-parse", "--short=12", "HEAD") or "unknown"
@@ -79,10 +82,11 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None) -> D
     from fuselab.kernels._runtime import INTERPRET, device_name
 
     cuda = torch.cuda.is_available()
+    measured = device or ("cuda" if cuda and not INTERPRET else "cpu")
     # the name the tuner keys its choices by (device_name: the interpreter's under TRITON_INTERPRET=1,
-    # kernels then ran there, even on a GPU machine; else the GPU's)
-    device = (device_name() if cuda or INTERPRET
-              else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
+    # kernels then ran there, even on a GPU machine; else the GPU's); a CPU run on a GPU host names the CPU
+    name = (device_name() if (measured == "cuda" and cuda) or INTERPRET
+            else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
     driver = None
     if cuda:
         try:
@@ -91,7 +95,8 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None) -> D
         except (OSError, subprocess.SubprocessError, IndexError):
             driver = None
     return {
-        "gpu": device,
+        "gpu": name,
+        "device": measured,
         "driver": driver,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -105,6 +110,17 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None) -> D
 
 ROW_KEYS = ("study", "op", "provider", "shape", "dtype", "mode", "metric", "p20", "p50", "p80")
 FAILURE_KEYS = ("op", "provider", "shape", "dtype", "mode")  # what a failure is keyed by (no metric)
+# what a run's device cannot change: a merge lets a run on another device replace these rows
+DEVICE_FREE_METRICS = frozenset({"MB", "rows touched", "max lookups of one row", "graph breaks"})
+
+
+def measured_device(env: dict) -> str:
+    """The type of device a run measured on ("cuda", "cpu"); runs recorded before the ``device`` entry
+    existed are read from their ``gpu`` entry (a CPU's, the interpreter's or a GPU's name)."""
+    if env.get("device"):
+        return str(env["device"])
+    name = str(env.get("gpu", ""))
+    return "cpu" if name.lower().startswith("cpu") or name == "triton-interpreter" else "cuda"
 
 
 class NotResults(ValueError):
@@ -132,8 +148,12 @@ class Results:
     rows, rendered under the study's tables."""
 
     def __init__(self, study: str, runs: Optional[Dict[str, dict]] = None, rows: Optional[List[dict]] = None,
-                 baselines: Optional[Dict[str, str]] = None, failed: Optional[List[dict]] = None):
+                 baselines: Optional[Dict[str, str]] = None, failed: Optional[List[dict]] = None,
+                 device: Optional[object] = None):
+        """``device``: what this process's run measures on (a torch.device or its type; default: see
+        ``environment``); a merge keeps rows measured on another device beside this run's."""
         self.study = study
+        self.device = None if device is None else torch.device(device).type
         self.runs: Dict[str, dict] = runs or {}
         self.rows: List[dict] = rows or []
         self.baselines: Dict[str, str] = baselines or {}  # op -> the provider ratios are taken against
@@ -150,7 +170,7 @@ class Results:
     def start_run(self, env: Optional[Dict[str, object]] = None) -> str:
         """Begin this process's run with ``env`` (default: ``environment()``); rows record its id."""
         self.run_id = uuid.uuid4().hex[:8]
-        self.runs[self.run_id] = environment() if env is None else env
+        self.runs[self.run_id] = environment(device=self.device) if env is None else env
         return self.run_id
 
     def _current_run(self) -> str:
@@ -217,6 +237,27 @@ class Results:
             raise ValueError(f"{len(rows)} rows match {where}")
         return rows[0][stat] if rows else None
 
+    def device_of(self, row: dict) -> str:
+        """The type of device that measured ``row`` (or a failure entry)."""
+        return measured_device(self.runs.get(row["run"], {}))
+
+    def devices(self) -> List[str]:
+        return list(dict.fromkeys(self.device_of(r) for r in self.rows))
+
+    def on_device(self, device: str) -> "Results":
+        """The rows (and failures) measured on ``device``, with their runs: one device's figures."""
+        rows = [r for r in self.rows if self.device_of(r) == device]
+        failed = [f for f in self.failed if self.device_of(f) == device]
+        return Results(self.study, self.runs, rows, self.baselines, failed)
+
+    def _row_identity(self, row: dict) -> tuple:
+        """What a merge matches rows by: the labels, and the measuring device unless the metric cannot depend on it."""
+        device = None if row["metric"] in DEVICE_FREE_METRICS else self.device_of(row)
+        return (*(row.get(k) for k in ROW_KEYS[1:7]), device)
+
+    def _failure_identity(self, entry: dict) -> tuple:
+        return (*(entry.get(k) for k in FAILURE_KEYS), self.device_of(entry))
+
     def to_json(self) -> dict:
         out = {"study": self.study, "format": FORMAT, "baselines": self.baselines, "runs": self.runs,
                "rows": self.rows}
@@ -243,18 +284,19 @@ class Results:
 
     def save(self, path: Path, merge: bool = False) -> Path:
         """Write atomically (a crash leaves the old file whole); ``merge`` keeps the rows already
-        there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric)."""
+        there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric,
+        on the same type of device: a CPU run's rows go beside a GPU run's of the same labels)."""
         path = Path(path)
         out = self
         if merge and path.exists():
             old = Results.load(path)
             if old.study != self.study:
                 raise ValueError(f"{path} holds study {old.study!r}, not {self.study!r}: not merged")
-            mine = {tuple(r.get(k) for k in ROW_KEYS[1:7]) for r in self.rows}
-            kept = [r for r in old.rows if tuple(r.get(k) for k in ROW_KEYS[1:7]) not in mine]
+            mine = {self._row_identity(r) for r in self.rows}
+            kept = [r for r in old.rows if old._row_identity(r) not in mine]
             # an earlier failure stays listed until this run measures or fails that configuration again
-            tried = {tuple(r.get(k) for k in FAILURE_KEYS) for r in self.rows + self.failed}
-            kept_failed = [f for f in old.failed if tuple(f.get(k) for k in FAILURE_KEYS) not in tried]
+            tried = {self._failure_identity(r) for r in self.rows + self.failed}
+            kept_failed = [f for f in old.failed if old._failure_identity(f) not in tried]
             runs = {k: v for k, v in old.runs.items() if any(r["run"] == k for r in kept + kept_failed)}
             out = Results(self.study, {**runs, **self.runs}, kept + self.rows, {**old.baselines, **self.baselines},
                           kept_failed + self.failed)

@@ -187,6 +187,43 @@ def test_results_save_merge_load_round_trip(tmp_path):
         Results.load(path)
 
 
+def test_a_cpu_run_merged_into_a_gpu_file_goes_beside_its_rows(tmp_path):
+    # A `--device cpu --merge` run replaced the GPU rows of the same labels, and its run named the GPU host:
+    # the page then showed CPU times as the H200's. Rows now merge per measuring device (sizes excepted).
+    path = tmp_path / "s.json"
+    gpu = Results("sparse_embedding")
+    gpu.start_run({**harness.environment(), "gpu": "NVIDIA H200", "device": "cuda"})
+    gpu.set_baseline("movielens MF", "SparseAdam")
+    for provider, ms in (("SparseAdam", 2.0), ("SparseAdamW", 1.0)):
+        _row(gpu, provider, ms, metric="ms/step", op="movielens MF", mode="wall")
+    _row(gpu, "bytes floor", 7.0, metric="MB", op="step", mode="floor")
+    gpu.save(path)
+    legacy = json.loads(path.read_text())  # a file written before runs recorded their device
+    del legacy["runs"][gpu.run_id]["device"]
+    path.write_text(json.dumps(legacy))
+    cpu = Results("sparse_embedding", device=torch.device("cpu"))
+    for provider, ms in (("SparseAdam", 40.0), ("SparseAdamW", 10.0)):
+        _row(cpu, provider, ms, metric="ms/step", op="movielens MF", mode="wall")
+    _row(cpu, "bytes floor", 7.5, metric="MB", op="step", mode="floor")
+    cpu.save(path, merge=True)
+    merged = Results.load(path)
+    assert merged.runs[cpu.run_id]["device"] == "cpu" and merged.device_of(merged.select(provider="SparseAdam")[0]) == "cuda"
+    times = sorted((merged.device_of(r), r["provider"], r["p50"]) for r in merged.select(metric="ms/step"))
+    assert times == [("cpu", "SparseAdam", 40.0), ("cpu", "SparseAdamW", 10.0),
+                     ("cuda", "SparseAdam", 2.0), ("cuda", "SparseAdamW", 1.0)]
+    assert [r["p50"] for r in merged.select(metric="MB")] == [7.5]  # what no device changes: replaced
+    page = report.render_study(merged, report.Spec("Demo", ""))
+    assert "| device | shape | SparseAdam | SparseAdamW | SparseAdamW x SparseAdam | run |" in page
+    assert "| cuda | 8x8x8 | 2.00 | 1.00 | 2.00 |" in page and "| cpu | 8x8x8 | 40.0 | 10.0 | 4.00 |" in page
+    assert report.main_device(merged).devices() == ["cuda"]
+    line = report.sparse_headline(report.main_device(merged))
+    assert line[1] == "2.00x wall" and "NVIDIA H200" in line[2]
+    again = Results("sparse_embedding", device="cpu")  # the same device again: replaced as before
+    _row(again, "SparseAdamW", 20.0, metric="ms/step", op="movielens MF", mode="wall")
+    again.save(path, merge=True)
+    assert sorted(r["p50"] for r in Results.load(path).select(provider="SparseAdamW")) == [1.0, 20.0]
+
+
 def test_save_is_atomic(tmp_path):
     path = tmp_path / "s.json"
     res = Results("s")

@@ -31,7 +31,8 @@ DOCS = ROOT / "docs" / "results"
 README = ROOT / "README.md"
 HEADLINE_BEGIN, HEADLINE_END = "<!-- results:headline -->", "<!-- /results:headline -->"
 OP_BASELINE = "<op baseline>"  # a View's baseline: the op's provider named in the file's ``baselines``
-STANDARD_ENV = ("gpu", "device", "driver", "torch", "triton", "cuda", "python", "commit", "dirty", "date", "converted_from")
+STANDARD_ENV = ("gpu", "device", "driver", "torch", "triton", "cuda", "python", "commit", "dirty", "date",
+                "converted_from")
 
 
 # ----------------------------------------------------------------------------------------------

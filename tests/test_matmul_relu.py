@@ -191,6 +191,38 @@ def test_pytorch_kernel_bodies(a_layout, b_layout, mask_on_load, monkeypatch):
     torch.library.opcheck(torch.ops.fuselab.matmul_relu_grad_b, (dy, y, a.detach(), b.detach()))
 
 
+@pytest.mark.parametrize("torch_kernels", [True, False], ids=["pytorch-kernels", "triton"])
+def test_autocast_leaves_the_op_in_its_inputs_dtype(torch_kernels, monkeypatch):
+    # The op computes in its inputs' dtype, as its fake says: under CPU autocast the PyTorch-kernel body
+    # returned bf16 (its addmm was autocast), the Triton one fp32.
+    if torch_kernels:
+        monkeypatch.setattr(matmul_relu_module, "_runs_triton", lambda t: False)
+    a, w, bias = torch.randn(2, 5, 23, requires_grad=True), torch.randn(19, 23), torch.randn(19)
+    ref = torch.relu(torch.nn.functional.linear(a.detach().double(), w.double(), bias.double()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear_relu(a, w, bias)
+        direct = torch.ops.fuselab.matmul_relu(a.detach(), w.t(), bias)
+        y.backward(torch.ones_like(y))
+    assert y.dtype == direct.dtype == a.grad.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)  # fp32 math: bf16's error is ~1e-2
+    torch.testing.assert_close(direct, y.detach())
+
+
+@pytest.mark.parametrize("torch_kernels", [True, False], ids=["pytorch-kernels", "triton"])
+def test_an_output_takes_in_place_ops(torch_kernels, monkeypatch):
+    # The PyTorch-kernel body returned a view of its result: any in-place op on the output (a ReLU(inplace)
+    # after a fused layer) failed with autograd's "a view created inside a custom Function".
+    if torch_kernels:
+        monkeypatch.setattr(matmul_relu_module, "_runs_triton", lambda t: False)
+    a, w = torch.randn(2, 5, 23, requires_grad=True), torch.randn(19, 23, requires_grad=True)
+    y = linear_relu(a, w)
+    y.mul_(2)
+    torch.testing.assert_close(y, 2 * torch.relu(a @ w.t()))
+    dy = torch.randn(2, 5, 19)
+    ga, = torch.autograd.grad(linear_relu(a, w), a, dy)
+    ga.add_(1)  # a gradient from the backward body, modified in place (a hook's clip, say)
+
+
 @pytest.mark.gpu
 def test_exact_fp32_runs_cublas():
     # At torch's default fp32 precision the op runs cuBLAS's SGEMM and a ReLU (faster than Triton's

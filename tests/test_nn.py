@@ -664,6 +664,157 @@ def test_the_fx_path_refuses_a_model_whose_unused_state_or_state_dict_hooks_it_w
     assert report.fused == ["fc"] and set(patched.state_dict()) == {"fc.weight", "fc.bias", "out.weight", "out.bias"}
 
 
+SCALE = 1.0  # read by _ReadsGlobal's forward
+
+
+class _UpdatesEma(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        self.ema.mul_(0.9).add_(0.1 * h.mean(0))  # in place on the buffer: the graph records it
+        return h + self.ema
+
+
+class _Counts(_UpdatesEma):
+    def forward(self, x):
+        self.ema += 1  # a new tensor assigned to the buffer: no graph records that
+        return F.relu(self.fc(x)) * self.ema
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        h = F.relu(self.fc(x))
+        if mask is None:  # traced with a proxy for mask: this branch never entered the graph
+            h = h * 2
+        return h
+
+
+class _IgnoresArgument(_OptionalMask):
+    def forward(self, x, mask):
+        h = F.relu(self.fc(x))
+        return h * 2 if mask is None else h
+
+
+class _ReadsGlobal(_OptionalMask):
+    def forward(self, x):
+        return F.relu(self.fc(x)) * SCALE
+
+
+class _ReadsLeafAttribute(_OptionalMask):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return F.relu(self.fc(x)) * (1 - self.drop.p)
+
+
+class _CallsAndReadsLeaf(_ReadsLeafAttribute):
+    def forward(self, x):
+        return self.drop(F.relu(self.fc(x))) * (1 - self.drop.p)
+
+
+class _ReadsLeafByName(_ReadsLeafAttribute):
+    def forward(self, x):
+        return F.relu(self.fc(x)) * (1 - getattr(self, "drop").p)
+
+
+@pytest.mark.parametrize("cls,words", [
+    (_Counts, "assigns to ema"), (_OptionalMask, "argument mask has a default"),
+    (_IgnoresArgument, "argument mask does not reach the graph"), (_ReadsGlobal, "reads SCALE from outside"),
+    (_ReadsLeafAttribute, "reads drop.p"), (_CallsAndReadsLeaf, "reads drop.p"),
+    (_ReadsLeafByName, "reads module drop without calling it"),
+])
+def test_the_fx_path_refuses_what_a_graph_would_freeze_and_leaves_the_model_as_it_was(cls, words):
+    # Each of these was patched (or its buffer changed while tracing) and then computed something else: the
+    # patched step count stood still (its tracing had run the forward thrice), `mask=None` lost its branch, a
+    # global and a module's attribute changed later were ignored.
+    torch.manual_seed(0)
+    model = cls()
+    state = copy.deepcopy(model.state_dict())
+    patched, report = fuse_linear_relu(model)
+    assert patched is model and not report.fused and words in report.skipped["fc"], str(report)
+    for key, value in model.state_dict().items():  # nothing ran on the model's buffers while tracing
+        assert type(value) is torch.Tensor and torch.equal(value, state[key]), key
+
+
+def test_an_in_place_buffer_update_is_traced_and_runs_every_call():
+    torch.manual_seed(0)
+    model, x = _UpdatesEma(), torch.randn(4, 8)
+    stock = copy.deepcopy(model)
+    patched, report = fuse_linear_relu(model)
+    assert report.fused == ["fc"] and not model.ema.any(), str(report)  # tracing did not update it
+    for _ in range(3):
+        torch.testing.assert_close(patched(x), stock(x))
+    torch.testing.assert_close(patched.ema, stock.ema)
+
+
+class _KeepsFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4), nn.ReLU())
+
+    def forward(self, x):
+        features = []
+        for layer in self.body:  # each layer's output, the Linear's before its ReLU too
+            x = layer(x)
+            features.append(x)
+        return features[0].sum(-1) + features[-1].sum(-1)
+
+
+class _ReusesTheReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x):
+        return self.seq(x) + self.seq[1](x - 1)
+
+
+class _CallsItsSequential(_ReusesTheReLU):
+    def __init__(self):
+        super().__init__()
+        self.seq[0].bias.data.zero_()  # __init__ ran before any patch: its uses do not count
+
+    def forward(self, x):
+        return self.seq(x) * 2
+
+
+@pytest.mark.parametrize("cls", [_KeepsFeatures, _ReusesTheReLU, _CallsItsSequential])
+def test_a_parent_that_reaches_into_its_sequential_keeps_its_layers(cls):
+    # Module patching fused the Sequential's pair while the parent iterated it (its features[0] got the ReLU)
+    # or called its ReLU, by then an Identity. Such a parent's Sequential is left alone (the fx path may
+    # still fuse it faithfully); a parent that only calls it is patched as before.
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(5, 8)
+    stock = copy.deepcopy(model)
+    patched, report = fuse_linear_relu(model)
+    torch.testing.assert_close(patched(x), stock(x))  # fp32 rounding apart (a wrong patch: differences of ~1)
+    if cls is _KeepsFeatures:  # the fx path fuses the last pair, whose Linear's output nothing else reads
+        assert report.fused == ["body.2"] and "forward uses self.body other than by calling it" in report.skipped[
+            "body.0"], str(report)
+    else:
+        assert report.fused == ["seq.0"], str(report)
+        assert report.method == ("torch.fx rewrite" if cls is _ReusesTheReLU else "module patching")
+
+
+def test_a_second_patch_of_a_block_says_already_fused():
+    opt = pytest.importorskip("transformers.models.opt.modeling_opt")
+    config = opt.OPTConfig(hidden_size=8, ffn_dim=16, num_attention_heads=2, num_hidden_layers=1, vocab_size=16,
+                           max_position_embeddings=16, word_embed_proj_dim=8)
+    model, _ = fuse_linear_relu(opt.OPTForCausalLM(config))
+    _, again = fuse_linear_relu(model)
+    assert not again.fused and again.skipped["model.decoder.layers.0.fc1"] == "already fused", str(again)
+
+
 def test_torchscript_is_refused_by_name():
     # torch.jit.script cannot compile the fused layers' Python paths: say so, not an internal name of fuselab's
     from fuselab.quant import Int8DynamicActivationInt8WeightConfig, quantize_

@@ -50,16 +50,49 @@ def execution_path(t: torch.Tensor, *, exact_fp32_on_cuda_uses_torch: bool = Fal
 
 
 def register_op(qualname: str, fake: Callable, mutates_args: Tuple[str, ...] = ()) -> Callable:
-    """Decorator: register ``fn`` as the op ``qualname`` (``fuselab::name``), schema from its annotations."""
+    """Decorator: register ``fn`` as the op ``qualname`` (``fuselab::name``), schema from its annotations.
+    Under autocast an op computes in its inputs' dtypes, as its fake says, on every path (``_AUTOCAST_KEYS``)."""
 
     def decorate(fn):
         if INTERPRET:
             op = torch.library.custom_op(qualname, mutates_args=mutates_args)(fn)
             op.register_fake(fake)
-            return op
-        return torch.library.triton_op(qualname, mutates_args=mutates_args)(fn)
+        else:
+            op = torch.library.triton_op(qualname, mutates_args=mutates_args)(fn)
+        for device in ("cpu", "cuda"):
+            _autocast_off(op, device)
+        return op
 
     return decorate
+
+
+# An op computes in its inputs' dtypes, as its fake says: without this exclusion an op body's PyTorch
+# fallback (a CPU, exact fp32) was autocast inside and returned bf16 where the Triton path returns fp32.
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCUDA)
+
+
+def without_autocast(fn: Callable) -> Callable:
+    """``fn`` (an op body) with autocast excluded, as the registered op runs it: for eager paths that call
+    the bodies without the dispatcher."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return fn(*args)
+
+    return run
+
+
+def _autocast_off(op, device: str) -> None:
+    """Under ``device``'s autocast, run ``op`` on its inputs uncast with autocast excluded inside
+    (``torch.library.register_autocast`` would cast the inputs to one fixed dtype)."""
+
+    def kernel(_keyset, *args):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return op._opoverload(*args)
+
+    op._lib.impl(op._name, kernel, "Autocast" + torch._C._dispatch_key_for_device(device), with_keyset=True)
 
 
 def is_tracing() -> bool:

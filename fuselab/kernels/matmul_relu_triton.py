@@ -47,6 +47,7 @@ from fuselab.kernels._runtime import (
     refuse_forward_ad,
     register_op,
     untraced,
+    without_autocast,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -406,10 +407,16 @@ def _forward_fake(a, b, bias):
     return a.new_empty(*a.shape[:-1], b.shape[1])
 
 
+def _unviewed(t: torch.Tensor) -> torch.Tensor:
+    """An op body's result as a tensor of its own, not a view: autograd refuses any in-place op on an
+    output that is a view made inside the op (``y.add_(1)`` failed where relu(linear) ran)."""
+    return t.detach() if t._is_view() else t
+
+
 def _forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     refuse_forward_ad("matmul_relu", "fuselab.kernels.matmul_relu or linear_relu")
     if not _runs_triton(a):
-        return _torch_forward(a, b, bias)
+        return _unviewed(_torch_forward(a, b, bias))
     y = _forward_fake(a, b, bias)
     _gemm(_rows(a), b, _rows(y), bias=bias, relu=True)
     return y
@@ -425,7 +432,7 @@ def _grad_a(grad: torch.Tensor, y: Optional[torch.Tensor], b: torch.Tensor) -> t
     g2 = _rows(grad)
     y2 = None if y is None else _rows(y)
     if not _runs_triton(grad):
-        return (_relu_grad(g2, y2) @ b.t()).view(*grad.shape[:-1], b.shape[0])
+        return _unviewed((_relu_grad(g2, y2) @ b.t()).view(*grad.shape[:-1], b.shape[0]))
     out = _grad_a_fake(grad, y, b)
     _gemm(g2, b.t(), _rows(out), y=y2)
     return out
@@ -506,11 +513,14 @@ class _EagerMatmulReLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, bias):  # ctx-style: a separate setup_context makes apply() inspect signatures
-        y = _forward(a, b, bias)
+        y = _eager_forward(a, b, bias)
         _setup_context(ctx, (a, b, bias), y)
         return y
 
-    backward = staticmethod(_backward_using(_grad_a, _grad_b))
+    backward = staticmethod(_backward_using(without_autocast(_grad_a), without_autocast(_grad_b)))
+
+
+_eager_forward = without_autocast(_forward)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Three mechanisms, tried in this order, each recorded in the returned report:
 1. Hugging Face feed-forward blocks, through small per-architecture adapters (no source edits);
 2. ``nn.Sequential`` pairs (torchvision classifier heads, plain MLPs);
 3. a ``torch.fx`` rewrite of models that ``symbolic_trace`` can trace faithfully (not a forward that
-   reads train/eval mode or switches grad mode or autocast: the graph would freeze those).
+   reads train/eval mode, switches grad mode or autocast, tests an argument (``mask is None``), reads a
+   global value or assigns to the model's state: the graph would freeze or drop those).
 ``fuse_relu_matmul`` is the graph rewrite behind (3) and behind ``fused_backend``, which does the
 same for any model ``torch.compile`` captures.
 
@@ -202,7 +203,9 @@ def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
         lin_attr, act_attr = HF_ADAPTERS[cls.__name__]
         layer, act = getattr(block, lin_attr), getattr(block, act_attr)
         full = f"{name}.{lin_attr}" if name else lin_attr
-        if type(act) is not nn.ReLU:
+        if isinstance(layer, _FUSED_LAYERS):
+            why = "already fused"
+        elif type(act) is not nn.ReLU:
             why = f"activation is {type(act).__name__}, not ReLU"
         elif "forward" in vars(block):
             why = f"its {type(block).__name__}'s forward is replaced on the instance"
@@ -216,11 +219,40 @@ def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
     return swaps
 
 
+def _parent_reaches_inside(parent: nn.Module, key: str) -> Optional[str]:
+    """Why ``parent`` may use its Sequential ``key`` other than by calling it whole (``self.key[0](x)``,
+    ``for layer in self.key``: it would meet the fused layer, ReLU included, and an Identity for the
+    ReLU); None where every use in its class's methods is a call. A Sequential or a module list holding
+    it is taken as calling it whole."""
+    if isinstance(parent, (nn.ModuleList, nn.ModuleDict)) or (
+            type(parent).forward is nn.Sequential.forward and "forward" not in vars(parent)):
+        return None
+    for name, fn in inspect.getmembers(type(parent), inspect.isfunction):  # the methods it has, inherited too
+        if name == "__init__" or fn.__module__.startswith("torch."):  # __init__ ran before the patch
+            continue
+        try:
+            method = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        except (OSError, TypeError, SyntaxError, IndexError):
+            return f"{type(parent).__name__}.{name} has no readable source to check how it uses its Sequential {key}"
+        me = method.args.args[0].arg if method.args.args else None  # "self", by convention only
+        called = {id(n.func) for n in ast.walk(method) if isinstance(n, ast.Call)}
+        for n in ast.walk(method):
+            if (isinstance(n, ast.Attribute) and n.attr == key and isinstance(n.value, ast.Name)
+                    and n.value.id == me and isinstance(n.ctx, ast.Load) and id(n) not in called):
+                return (f"{type(parent).__name__}.{name} uses {me}.{key} other than by calling it (indexed or "
+                        "iterated, it would meet the fused layer, ReLU included)")
+    return None
+
+
 def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:
     swaps = []
-    for name, seq in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, seq in modules.items():
         if not isinstance(seq, nn.Sequential):
             continue
+        parent_name, _, key_in_parent = name.rpartition(".")
+        # read the parent's source only for a Sequential with something to fuse
+        reaches = functools.cache(lambda: _parent_reaches_inside(modules[parent_name], key_in_parent) if name else None)
         children = list(seq._modules.items())  # not named_children(): it skips a module's repeats
         for (key, layer), (act_key, act) in zip(children, children[1:] + [(None, None)]):
             if not _is_linear_layer(layer):
@@ -228,6 +260,8 @@ def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:
             full = f"{name}.{key}" if name else key
             if type(seq).forward is not nn.Sequential.forward or "forward" in vars(seq):
                 why = f"inside {type(seq).__name__}, an nn.Sequential with its own forward"
+            elif type(act) is nn.ReLU and reaches() is not None:
+                why = reaches()
             elif isinstance(layer, _FUSED_LAYERS):
                 why = "already fused"
             elif type(act) is not nn.ReLU:
@@ -289,7 +323,11 @@ def _modes() -> tuple:
 
 class _FaithfulTracer(torch.fx.Tracer):
     """``symbolic_trace``'s tracer, refusing forwards that switch grad mode or autocast (``no_grad``
-    blocks, say): the graph would record the ops inside without the switch."""
+    blocks, say): the graph would record the ops inside without the switch. Buffers are traced as graph
+    inputs, not read as values: a forward's in-place update of a buffer (a step count, an EMA) is then
+    recorded, or refused, instead of run on the model's buffer while tracing and missing from the graph."""
+
+    proxy_buffer_attributes = True
 
     def trace(self, root, concrete_args=None):
         self.modes = _modes()
@@ -301,9 +339,49 @@ class _FaithfulTracer(torch.fx.Tracer):
         return super().create_node(*args, **kwargs)
 
 
+def _version(t: torch.Tensor) -> Optional[int]:
+    """``t``'s in-place version counter; None for an inference tensor, which has none (and cannot change)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module):
+    """Tracing runs the forward's Python: what it assigns to the modules (``self.count = self.count + 1``
+    stores a tracing proxy) is put back, and the trace refused, as is a tensor it changed in place."""
+    held = [(m, {k: dict(vars(m)[k]) for k in ("_parameters", "_buffers", "_modules")}, dict(vars(m)))
+            for m in model.modules()]
+    versions = {id(t): _version(t) for t in (*model.parameters(), *model.buffers())}
+    names = {id(m): n or "the model" for n, m in model.named_modules()}
+    try:
+        yield
+    finally:
+        changed = []
+        for module, tables, attributes in held:
+            for key, table in tables.items():  # by identity: a proxy's == is itself traced
+                now = vars(module)[key]
+                if now.keys() != table.keys() or any(now[k] is not v for k, v in table.items()):
+                    moved = [k for k in now.keys() | table.keys() if now.get(k) is not table.get(k)]
+                    changed.append(f"{names[id(module)]}.{moved[0]}".replace("the model.", ""))
+                    now.clear()
+                    now.update(table)
+            if vars(module).keys() != attributes.keys() or any(vars(module)[k] is not v for k, v in attributes.items()
+                                                              if k not in tables):
+                changed.append(names[id(module)])
+                vars(module).clear()
+                vars(module).update(attributes)
+    if changed:
+        raise _Unfaithful(f"forward assigns to {changed[0]}, which a torch.fx graph does not record")
+    if any(_version(t) != versions[id(t)] for t in (*model.parameters(), *model.buffers())):
+        raise _Unfaithful("forward changed a parameter or buffer in place while it was traced")
+
+
 def _graph_module(model: nn.Module) -> torch.fx.GraphModule:
     tracer = _FaithfulTracer()
-    graph = tracer.trace(model)
+    with _state_kept(model):
+        graph = tracer.trace(model)
     return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
@@ -353,6 +431,54 @@ def _snapshot_hazard(model: nn.Module) -> Optional[str]:
     return None
 
 
+def _source_tree(cls: type, name: str = "forward") -> Optional[ast.AST]:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, name))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str]:
+    """What the graph of ``model``'s forward fixed at one value: an argument the graph never reads (a test
+    such as ``mask is None`` ran once, while tracing) or one with a default, a global value, an attribute
+    of a module the graph calls whole, a module it does not call (read instead); None where nothing."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        if node.args:
+            return (f"forward's argument {node.target} has a default, and a graph records the path of one "
+                    "value of it (a `mask=None` branch taken while tracing)")
+        if not node.users:
+            return (f"forward's argument {node.target} does not reach the graph: a test on it (`is None`) "
+                    "would be frozen at the traced value")
+    leaf = _FaithfulTracer().is_leaf_module
+    kept = dict(gm.named_modules())
+    for name, module in model.named_modules():
+        if name and name not in kept and leaf(module, name) and not any(name.startswith(f"{k}.") for k in kept if k):
+            return (f"the forward reads module {name} without calling it (or never uses it): the rewritten "
+                    "GraphModule would not have it, and a value read from it would be frozen")
+        if name and leaf(module, name):
+            continue
+        found = inspect.getclosurevars(type(module).forward) if inspect.isfunction(type(module).forward) else None
+        if found is not None:
+            values = {**found.nonlocals, **found.globals}
+            plain = sorted(k for k, v in values.items()
+                           if not (inspect.ismodule(v) or isinstance(v, type) or callable(v)))
+            if plain:
+                return (f"{name or 'the model'}'s forward reads {', '.join(plain)} from outside the model, which "
+                        "a torch.fx graph would freeze (a later change would no longer take effect)")
+        tree = _source_tree(type(module))
+        children = {k: c for k, c in module.named_children() if leaf(c, f"{name}.{k}" if name else k)}
+        for node in ast.walk(tree) if tree is not None else ():
+            inner = node.value if isinstance(node, ast.Attribute) else None
+            if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "self"
+                    and inner.attr in children):
+                child = children[inner.attr]
+                if node.attr not in (*child._parameters, *child._buffers, *child._modules):
+                    return (f"{name or 'the model'}'s forward reads {inner.attr}.{node.attr}, which a torch.fx "
+                            "graph would freeze (a later change would no longer take effect)")
+    return None
+
+
 def _trace(model: nn.Module) -> torch.fx.GraphModule:
     """``symbolic_trace(model)``, raising ``_Unfaithful`` where the graph would compute something else.
 
@@ -367,6 +493,7 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
                                   "which a torch.fx graph would freeze")
     gm.training = model.training
     return gm
+
 
 
 def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:
@@ -393,6 +520,9 @@ def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:
                 "have them" if unused else f"the rewritten GraphModule's state dict would lack {', '.join(names[:3])}"
                 f"{more} (a module under two names, say)")
         return model, refused + what
+    frozen = _frozen_by_trace(model, gm)
+    if frozen is not None:
+        return model, refused + frozen
     report.fused = fuse_relu_matmul(gm, filter_fn, report.skipped)
     if not report.fused:
         return model, "not followed by ReLU, or its output is used elsewhere (fx graph)"

@@ -46,7 +46,7 @@ from experiments.training import (
 from fuselab import distributed as fd
 
 STUDY = "train_ddp"
-# What defines a run (checked on --resume); --epochs/--steps may grow, the world size may change.
+# What defines a run (checked on --resume), with the schedule's length in samples; the world size may change.
 SETTINGS = ("arch", "tiny", "batch", "lr", "warmup_epochs", "momentum", "weight_decay", "augment", "sync_bn",
             "limit_train", "seed", "precision")
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training set, pixels in [0, 1]
@@ -80,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     harness.add_output_args(p)
     args = p.parse_args(argv)
     finish_run_args(p, args, STUDY,
-                    tiny=dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2))
+                    tiny=dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2),
+                    argv=argv)
     if args.warmup_epochs < 0:
         p.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if not 0 <= args.momentum < 1:
@@ -182,7 +183,8 @@ def train(args, rt):
     torch.manual_seed(args.seed + 1 + rt.rank)  # per-rank augmentation draws
 
     ckpt, epoch, skip, step = None, 0, 0, 0
-    settings = run_settings(args, SETTINGS)
+    # the cosine decays over the run's length: a resume that changed it (--epochs, --steps) would be a hybrid
+    settings = {**run_settings(args, SETTINGS), "schedule (samples)": total_steps * args.batch * world}
     if args.checkpoint_dir is not None:
         ckpt = open_checkpointer(args, settings, log)
         if args.resume:
@@ -190,6 +192,11 @@ def train(args, rt):
             if state is not None:
                 epoch, skip, step = state["epoch"], state["samples_in_epoch"], state["step"]
                 if state["world_size"] != world:  # this world's lr (x world size) and its steps per epoch
+                    if skip % (args.batch * world):
+                        raise SystemExit(f"--resume: the checkpoint is {skip} samples into epoch {epoch + 1}, not a "
+                                         f"whole number of this run's global batches ({world} rank(s) x --batch "
+                                         f"{args.batch}): samples would be skipped; resume on a world size that "
+                                         "divides it")
                     step = epoch * steps_per_epoch + skip // (args.batch * world)
                     restart_schedule(sched, args.lr * world, step)
 
@@ -216,7 +223,7 @@ def train(args, rt):
                 break
             if window_t0 is None:
                 harness.sync(device)
-                window_t0, window_steps, window_clean = time.perf_counter(), 0, step >= args.timing_skip
+                window_t0, window_steps, window_clean = time.perf_counter(), 0, step - first_step >= args.timing_skip
             x, y = prepare(train_set[0][idx], args.augment, channels_last), train_set[1][idx]
             with autocast:
                 loss = F.cross_entropy(forward(x), y)

@@ -51,10 +51,10 @@ from experiments.training import (
 from fuselab import distributed as fd
 
 STUDY = "train_fsdp"
-# What defines a run (checked on --resume); --steps may grow, the world size (and with it the global batch) change.
+# What defines a run (checked on --resume), --steps too (the cosine decays over it); the world size may change.
 SETTINGS = ("n_embd", "n_layer", "n_head", "seq", "activation", "dropout", "vocab_multiple", "tiny", "lr",
             "min_lr_ratio", "warmup", "weight_decay", "clip", "seed", "precision", "corpus", "bpe", "max_tokens",
-            "val_fraction")
+            "val_fraction", "steps")
 H200_BF16_DENSE_TFLOPS = 989.4
 GPT2_VOCAB = 50257
 log = logging.getLogger("fuselab.train_fsdp")
@@ -89,8 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tiny", action="store_true",
                    help="a CPU smoke size: n_embd 64, 2 layers, 2 heads, seq 64, batch 2, 200k tokens of text")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=harness.positive_int, default=300, help="optimizer steps in all (a resumed run "
-                   "continues up to this step)")
+    g.add_argument("--steps", type=harness.positive_int, default=300, help="optimizer steps in all (the schedule's "
+                   "length: a resumed run keeps it)")
     g.add_argument("--batch", type=harness.positive_int, default=8, help="sequences per rank per micro-step")
     g.add_argument("--global-batch", type=harness.positive_int, default=None,
                    help="sequences per optimizer step over all ranks (default: batch x world size; a multiple of "
@@ -121,14 +121,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-tokens", type=harness.positive_int, default=None, help="use only the first N tokens")
     g.add_argument("--val-fraction", type=fraction, default=0.02, help="held-out tail of the corpus")
     g.add_argument("--val-batches", type=harness.non_negative_int, default=4,
-                   help="micro-batches per rank for the final validation loss (0: none)")
+                   help="global batches of held-out sequences for the final validation loss (0: none)")
     g.add_argument("--export-tokens", type=Path, default=None,
                    help="write the corpus's token ids (uint16 .pt) to this file and exit")
     add_run_args(p.add_argument_group("run: device, checkpoints, timing"), log_every=10, timing_skip=10,
                  checkpoint_every_help="steps between saves (0: only at the end)")
     harness.add_output_args(p)
     args = p.parse_args(argv)
-    finish_run_args(p, args, STUDY, tiny=TINY)
+    finish_run_args(p, args, STUDY, tiny=TINY, argv=argv)
     if args.compile_scope != "blocks" and not args.compile:
         p.error("--compile-scope takes effect with --compile only")
     if args.vocab_multiple > 1024:
@@ -364,7 +364,7 @@ def train(args, rt):
     for step in range(start + 1, args.steps + 1):
         if window_start is None:
             harness.sync(device)
-            window_start, window_steps, window_dirty = time.perf_counter(), 0, step <= args.timing_skip
+            window_start, window_steps, window_dirty = time.perf_counter(), 0, step - start <= args.timing_skip
         sample0 = samples_seen
         for a in range(accum):
             last = a == accum - 1
@@ -410,7 +410,7 @@ def train(args, rt):
         ckpt.close()
 
     if args.val_batches and start < args.steps:
-        val_loss = evaluate(model, val_windows, args, rt, forward_loss)
+        val_loss = evaluate(model, val_windows, args, rt, forward_loss, global_batch)
     peak_mib = fd.all_reduce(harness.peak_memory_mib(device) or 0.0, "max") if device.type == "cuda" else None
     reserved_mib = (fd.all_reduce(torch.cuda.max_memory_reserved() / 2**20, "max")
                     if device.type == "cuda" else None)
@@ -425,12 +425,20 @@ def train(args, rt):
 
 
 @torch.no_grad()
-def evaluate(model, windows: Windows, args, rt, forward_loss) -> float:
-    total = 0.0
-    for i in range(args.val_batches):
-        rows = windows.rows((i * rt.world_size + rt.rank) * args.batch, args.batch).to(rt.device)
-        total += forward_loss(rows[:, :-1], rows[:, 1:]).item()
-    return fd.all_reduce(total / args.val_batches)
+def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int) -> float:
+    """Mean loss over the first ``--val-batches`` x global batch held-out sequences, in eval mode (no dropout): the
+    same sequences at any world size and micro-batch, each rank a contiguous share in micro-batches of ``--batch``."""
+    count = args.val_batches * global_batch
+    share = range(rt.rank * count // rt.world_size, (rt.rank + 1) * count // rt.world_size)
+    total = torch.zeros((), dtype=torch.float64)
+    model.eval()
+    try:
+        for start in range(share.start, share.stop, args.batch):
+            rows = windows.rows(start, min(args.batch, share.stop - start)).to(rt.device)
+            total += forward_loss(rows[:, :-1], rows[:, 1:]).item() * len(rows)  # the loss is a mean over rows
+    finally:
+        model.train()
+    return fd.all_reduce(total.item(), "sum") / count
 
 
 def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch):

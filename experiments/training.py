@@ -4,7 +4,7 @@ import argparse
 import math
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional, Sequence, Set
 
 import torch
 
@@ -26,17 +26,32 @@ def add_run_args(g, *, log_every: int, timing_skip: int, checkpoint_every_help: 
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     g.add_argument("--log-every", type=harness.positive_int, default=log_every, help="steps per timed window")
     g.add_argument("--timing-skip", type=harness.non_negative_int, default=timing_skip,
-                   help="first steps left out of the throughput (compilation, warm-up)")
+                   help="first steps of this process left out of the throughput (compilation, warm-up; a "
+                        "resumed run compiles again)")
     g.add_argument("--timeout", type=harness.positive_float, default=600.0, help="collective timeout, seconds")
 
 
-def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, study: str, tiny: Dict[str, object]) -> None:
-    """With ``--tiny``, the ``tiny`` values for every option left at its default; then the run
-    arguments' checks (``--out`` too) and the precision's default."""
+def given_options(p: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> Set[str]:
+    """The destinations of the options ``argv`` sets (default: the command line's), however they compare with
+    their defaults."""
+    defaults = {a: a.default for a in p._actions}
+    try:
+        for action in defaults:
+            action.default = argparse.SUPPRESS
+        return set(vars(p.parse_known_args(argv)[0]))
+    finally:
+        for action, default in defaults.items():
+            action.default = default
+
+
+def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, study: str, tiny: Dict[str, object],
+                    argv: Optional[Sequence[str]] = None) -> None:
+    """With ``--tiny``, the ``tiny`` values for every option ``argv`` does not set (``--tiny --batch 256`` keeps
+    256, the default); then the run arguments' checks (``--out`` too) and the precision's default."""
     if args.tiny:
-        defaults = {a.dest: a.default for a in p._actions}
+        given = given_options(p, argv)
         for key, value in tiny.items():
-            if getattr(args, key) == defaults[key]:
+            if key not in given:
                 setattr(args, key, value)
     if args.resume and args.checkpoint_dir is None:
         p.error("--resume needs --checkpoint-dir")
@@ -50,9 +65,9 @@ def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, study:
 def open_checkpointer(args: argparse.Namespace, settings: Dict[str, object], log) -> fd.Checkpointer:
     """``--checkpoint-dir``'s Checkpointer, checked before any training or loading: SystemExit where it holds
     checkpoints and ``--resume`` is not given (the run would save beside another run's), and for a ``--resume``
-    that changes one of ``settings`` (see ``run_settings``), naming it: a resume continues the checkpoint's run
-    (its optimizer and schedule states are that run's), so a changed rate or model would train a hybrid under
-    the new run's label."""
+    that changes one of ``settings`` (see ``run_settings``; keys that are no option, the schedule's length say,
+    too), naming it: a resume continues the checkpoint's run (its optimizer and schedule states are that run's),
+    so a changed rate, model or length would train a hybrid under the new run's label."""
     ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
     found = ckpt.checkpoints()
     if found and not args.resume:
@@ -62,8 +77,8 @@ def open_checkpointer(args: argparse.Namespace, settings: Dict[str, object], log
     saved = (ckpt.train_state() or {}).get("settings") if found else None
     if found and saved is None:
         log.warning("the checkpoint predates saved run settings: they are not checked against this run's")
-    changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {v!r}" for k, v in settings.items()
-               if saved is not None and k in saved and saved[k] != v]
+    changed = [f"{'--' + k.replace('_', '-') if hasattr(args, k) else k} {saved[k]!r} -> {v!r}"
+               for k, v in settings.items() if saved is not None and k in saved and saved[k] != v]
     if changed:
         ckpt.close()
         raise SystemExit(f"--resume: this run's settings differ from the checkpoint's run ({'; '.join(changed)}): a "

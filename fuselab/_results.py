@@ -110,6 +110,7 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None,
 
 ROW_KEYS = ("study", "op", "provider", "shape", "dtype", "mode", "metric", "p20", "p50", "p80")
 FAILURE_KEYS = ("op", "provider", "shape", "dtype", "mode")  # what a failure is keyed by (no metric)
+CURVE_KEYS = ("step", "epoch")  # extra keys that place a row on a training curve
 # what a run's device cannot change: a merge lets a run on another device replace these rows
 DEVICE_FREE_METRICS = frozenset({"MB", "rows touched", "max lookups of one row", "graph breaks"})
 
@@ -251,9 +252,10 @@ class Results:
         return Results(self.study, self.runs, rows, self.baselines, failed)
 
     def _row_identity(self, row: dict) -> tuple:
-        """What a merge matches rows by: the labels, and the measuring device unless the metric cannot depend on it."""
+        """What a merge matches rows by: the labels, the point of a curve (a training step or epoch: a resumed run's
+        rows go beside its first part's), and the measuring device unless the metric cannot depend on it."""
         device = None if row["metric"] in DEVICE_FREE_METRICS else self.device_of(row)
-        return (*(row.get(k) for k in ROW_KEYS[1:7]), device)
+        return (*(row.get(k) for k in ROW_KEYS[1:7]), *(row.get(k) for k in CURVE_KEYS), device)
 
     def _failure_identity(self, entry: dict) -> tuple:
         return (*(entry.get(k) for k in FAILURE_KEYS), self.device_of(entry))
@@ -284,8 +286,8 @@ class Results:
 
     def save(self, path: Path, merge: bool = False) -> Path:
         """Write atomically (a crash leaves the old file whole); ``merge`` keeps the rows already
-        there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric,
-        on the same type of device: a CPU run's rows go beside a GPU run's of the same labels)."""
+        there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric, step
+        and epoch, on the same type of device: a CPU run's rows go beside a GPU run's of the same labels)."""
         path = Path(path)
         out = self
         if merge and path.exists():

@@ -7,6 +7,7 @@ scripts run once each under torchrun (train_fsdp's resume on one rank runs in th
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,13 +25,13 @@ WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 TOL = 1e-5  # fp32 parity with one process
 
 
-def launch(args, nproc=2, timeout=180, env_extra=None, module=False, background=False):
-    """Run ``args`` under torchrun with ``nproc`` ranks (``nproc=None``: one plain process);
-    ``background``: return the running Popen (``finish`` it)."""
+def launch(args, nproc=2, timeout=180, env_extra=None, module=False, background=False, script=WORKER):
+    """Run ``script`` (or with ``module``, ``-m``) with ``args`` under torchrun with ``nproc`` ranks (``nproc=None``:
+    one plain process); ``background``: return the running Popen (``finish`` it)."""
     env = fd.launch_environment()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
                **(env_extra or {}))
-    target = ["-m", *args] if module else [str(WORKER), *args]
+    target = ["-m", *args] if module else [str(script), *args]
     if nproc is None:
         cmd = [sys.executable, *target]
     else:
@@ -228,19 +229,26 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
     common = ["experiments.train_fsdp", "--tiny", "--device", "cpu", "--global-batch", "4", "--log-every", "2",
               "--timing-skip", "1", "--val-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
               "--activation", "relu", "--timeout", "300"]
-    first = launch(common + ["--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "a.json")],
+    first = launch(common + ["--steps", "6", "--checkpoint-every", "2", "--out", str(tmp_path / "a.json")],
                    module=True, timeout=300)
     assert first.returncode == 0, output(first)
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert {r["provider"] for r in rows} == {"fsdp+vocab50304+fused-relu"}
     assert {r["metric"] for r in rows} >= {"tokens/s", "TFLOP/s per GPU", "loss", "val loss"}
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000006")  # as if killed after step 4's save
     # resume in this process: a plain process (no torchrun), world size 1, unsharded
     from experiments import train_fsdp
 
-    rows = train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--out", str(tmp_path / "b.json")])
+    with pytest.raises(SystemExit, match="--steps 6 -> 8"):  # the schedule decays over --steps: a longer run differs
+        train_fsdp.main(common[1:] + ["--steps", "8", "--resume"])
+    rows = train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--merge", "--out", str(tmp_path / "a.json")])
     assert "resumed from" in capfd.readouterr().err
-    assert rows == json.loads((tmp_path / "b.json").read_text())["rows"]
+    merged = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert [r["step"] for r in rows if r["metric"] == "loss"] == [6]
+    # merged, the first run's curve stays beside the resumed one's (one rank: another provider)
+    assert sorted((r["provider"], r["step"]) for r in merged if r["metric"] == "loss") == [
+        ("fsdp+vocab50304+fused-relu", 2), ("fsdp+vocab50304+fused-relu", 4), ("fsdp+vocab50304+fused-relu", 6),
+        ("single+vocab50304+fused-relu", 6)]
     assert {r["provider"] for r in rows} == {"single+vocab50304+fused-relu"}
     with pytest.raises(SystemExit, match="--vocab-multiple"):  # GPT-2's 50,257 rows: not the saved 50,304
         train_fsdp.main(common[1:] + ["--steps", "8", "--resume", "--vocab-multiple", "1"])
@@ -251,9 +259,9 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
                         + ["--steps", "8", "--resume", "--lr", "0.01", "--activation", "gelu"])
     with pytest.raises(SystemExit, match="holds checkpoints \\(up to step 6\\): pass --resume"):
         train_fsdp.main(common[1:] + ["--steps", "8"])
-    before = (tmp_path / "b.json").read_text()  # a resume with nothing left to train leaves the results alone
-    assert train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--out", str(tmp_path / "b.json")]) == []
-    assert (tmp_path / "b.json").read_text() == before
+    before = (tmp_path / "a.json").read_text()  # a resume with nothing left to train leaves the results alone
+    assert train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--out", str(tmp_path / "a.json")]) == []
+    assert (tmp_path / "a.json").read_text() == before
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004",
                                                                      "step_00000006"]
 
@@ -273,13 +281,17 @@ def test_train_ddp_script(tmp_path):
     assert {"images/s", "test accuracy", "final test accuracy"} <= metrics
     assert all(r["shape"] == "2x32" for r in rows)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000004", "step_00000006"]
-    # resumed in this process, world size 1: its steps count batches of 32 (6 steps of 2 x 32 = 12 of 32)
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000006")  # as if killed after step 4's save
+    # resumed in this process, world size 1: its steps count batches of 32 (4 steps of 2 x 32 = 8 of 32); the
+    # schedule spans the same 384 samples (12 of its steps), and another length is refused
     from experiments import train_ddp
 
-    rows = train_ddp.main([*common, "--steps", "14", "--resume", "--out", str(tmp_path / "s.json")])
-    assert {r["step"] for r in rows if r["metric"] == "test accuracy"} == {14}
+    with pytest.raises(SystemExit, match="schedule \\(samples\\) 384 -> 448"):
+        train_ddp.main([*common, "--steps", "14", "--resume"])
+    rows = train_ddp.main([*common, "--steps", "12", "--resume", "--out", str(tmp_path / "s.json")])
+    assert {r["step"] for r in rows if r["metric"] == "test accuracy"} == {12}
     with pytest.raises(SystemExit, match="--lr 0.1 -> 0.5"):  # it trained on at the checkpoint's rate, logging 0.5
-        train_ddp.main([*common, "--steps", "16", "--resume", "--lr", "0.5"])
+        train_ddp.main([*common, "--steps", "12", "--resume", "--lr", "0.5"])
 
 
 def test_an_out_folder_is_refused_before_the_run(tmp_path, capsys):
@@ -434,10 +446,42 @@ try:
 except ValueError as e:
     print("negative", e)
 # Another run's checkpoints in the folder: a Checkpointer that has not loaded one does not save beside them
+import fuselab.distributed.checkpoint as checkpoint_module
+checkpoint_module._RUN[0] = None  # as a new job would
 try:
     fd.Checkpointer(sys.argv[1] + "-roll").save(5, model)
 except ValueError as e:
     print("foreign", e)
+try:  # the same step as another run's: it was replaced without a word
+    fd.Checkpointer(sys.argv[1]).save(3, model)
+except ValueError as e:
+    print("samestep", e)
+# A rollback that saves the step it abandons (resumed from 1, saves 2 again): the old line's 2 is set aside
+again = fd.Checkpointer(sys.argv[1] + "-again", keep=None)
+for step in (1, 2, 3):
+    again.save(step, model)
+again.load(model, path=again.dir / "step_00000001")
+again.save(2, model)
+print("rollback3", " ".join(sorted(p.name for p in again.dir.iterdir())))
+# Another optimizer class or grouping: DCP loaded the state by parameter name into it, silently
+def stepped(opt):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+grouped = fd.Checkpointer(sys.argv[1] + "-groups")
+weights = [p for p in model.parameters() if p.dim() == 2]
+biases = [p for p in model.parameters() if p.dim() == 1]
+grouped.save(1, model, stepped(torch.optim.Adam([{"params": weights}, {"params": biases, "lr": 5e-3}], lr=1e-2)))
+for name, opt in (("regrouped", torch.optim.Adam(model.parameters(), lr=1e-2)),
+                  ("reclassed", torch.optim.AdamW([{"params": weights}, {"params": biases}], lr=1e-2))):
+    try:
+        grouped.load(model, opt)
+        print(name, "loaded")
+    except ValueError as e:
+        print(name, e)
+grouped.load(model, torch.optim.Adam([{"params": weights}, {"params": biases, "lr": 5e-3}], lr=1e-2))
+print("samegroups loaded")
 # A parameter without a gradient before the save (a head used later) has no optimizer state: the resume loads
 heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
 head_opt = torch.optim.AdamW(heads.parameters(), lr=0.1)
@@ -467,6 +511,28 @@ fd.shutdown()
 """
 
 
+DIVERGED_BUFFERS = """
+import sys, torch, torch.nn as nn
+from fuselab import distributed as fd
+rt = fd.init("cpu")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+fd.fully_shard_model(model, block_types=(nn.BatchNorm1d,), mixed_precision=False)
+model(torch.randn(16, 4) + rt.rank).sum().backward()  # each rank's own batch statistics: FSDP syncs no buffer
+fd.Checkpointer(sys.argv[1]).save(1, model)
+fd.shutdown()
+"""
+
+
+def test_a_checkpoint_names_buffers_that_differ_between_ranks(tmp_path):
+    # Under FSDP2 each rank's BatchNorm statistics differ; the checkpoint kept one rank's, silently.
+    script = tmp_path / "diverged.py"
+    script.write_text(DIVERGED_BUFFERS)
+    proc = launch([str(tmp_path / "ck")], script=script, timeout=180)
+    assert proc.returncode == 0, output(proc)
+    assert "buffers differ between ranks (1.running_mean)" in proc.stderr, output(proc)
+
+
 def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     # A smaller model would silently take part of the checkpoint (DCP loads the keys asked for).
     script = tmp_path / "misuse.py"
@@ -480,7 +546,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
-                  "unused", "metadata"))
+                  "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -489,6 +555,11 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines
     assert "step must be an int >= 0, got -1" in lines["negative"], lines
     assert "was written but not published" in lines["async"] and "No space left" in lines["async"], lines
-    assert "holds checkpoints of later step(s) 250, 260 that this Checkpointer neither loaded" in lines["foreign"]
+    assert "that this Checkpointer neither loaded nor wrote" in lines["foreign"], lines
+    assert "holds checkpoints of step(s) 3 that this Checkpointer neither loaded" in lines["samestep"], lines
+    assert lines["rollback3"] == "abandoned-step_00000002 abandoned-step_00000003 step_00000001 step_00000002", lines
+    assert "2 parameter group(s) of 2, 2 parameters, this one 1 of 4" in lines["regrouped"], lines
+    assert "optimizer is torch.optim.adam.Adam, this one torch.optim.adamw.AdamW" in lines["reclassed"], lines
+    assert lines["samegroups"] == "loaded", lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines

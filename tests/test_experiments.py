@@ -224,6 +224,22 @@ def test_a_cpu_run_merged_into_a_gpu_file_goes_beside_its_rows(tmp_path):
     assert sorted(r["p50"] for r in Results.load(path).select(provider="SparseAdamW")) == [1.0, 20.0]
 
 
+def test_a_resumed_runs_curve_merges_beside_its_first_part(tmp_path):
+    # --merge matched rows without their step: a resumed training run's loss rows replaced the first part's curve.
+    path = tmp_path / "t.json"
+    first, resumed = Results("train_fsdp"), Results("train_fsdp")
+    for res, steps in ((first, (2, 4, 6)), (resumed, (6, 8))):
+        for step in steps:
+            _row(res, "fsdp", float(step), metric="loss", mode="wall", step=step)
+        _row(res, "fsdp", float(len(steps)), metric="tokens/s", mode="wall")
+    first.save(path)
+    resumed.save(path, merge=True)
+    rows = Results.load(path).rows
+    assert sorted((r["step"], r["run"] == resumed.run_id) for r in rows if r["metric"] == "loss") == [
+        (2, False), (4, False), (6, True), (8, True)]  # the step saved again: the resumed run's
+    assert [r["p50"] for r in rows if r["metric"] == "tokens/s"] == [2.0]
+
+
 def test_save_is_atomic(tmp_path):
     path = tmp_path / "s.json"
     res = Results("s")

@@ -18,10 +18,12 @@ rank 0 once DCP has finished (its ``.metadata`` is written last, after every ran
 process killed mid-save leaves only a temporary folder, which ``latest()`` never returns and
 the next save deletes. ``keep`` complete checkpoints are kept, the oldest deleted. A run resumed
 from an earlier checkpoint (``load(path=...)``) that saves again renames the later ones
-``abandoned-step_<n>/``: they are kept, but never resumed from or counted; a Checkpointer that has loaded
-nothing refuses to save before later checkpoints it did not write (another run's). Every rank must see the
-same folder (one node, or a shared filesystem across nodes). ``train_state`` must be the same on
-every rank (it is saved once); an optimizer that has not stepped yet is saved without state.
+``abandoned-step_<n>/`` (the one of the step it saves, too): they are kept, but never resumed from or counted;
+a Checkpointer that has loaded nothing refuses to save into a folder holding checkpoints it did not write
+(another run's). Every rank must see the same folder (one node, or a shared filesystem across nodes).
+``train_state`` must be the same on every rank (it is saved once); an optimizer that has not stepped yet is
+saved without state. The optimizer's class and parameter groups are recorded, and ``load`` refuses an optimizer
+of another class or grouping (DCP would load the state by parameter name into it).
 
 ``async_save=True`` uses ``dcp.async_save``: the state is copied to host memory, training goes
 on while a background thread writes it (over a separate gloo group), and the rename happens when
@@ -36,6 +38,7 @@ import random
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -69,6 +72,20 @@ def _world() -> int:
 def _barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)
+
+
+_RUN: List[Optional[str]] = [None]  # this job's run id: every Checkpointer of this process (and job) shares it
+
+
+def _run_id() -> str:
+    """This job's id, rank 0's broadcast to every rank (collective on first use): it marks the checkpoints it writes,
+    so a Checkpointer tells this job's from another run's in the same folder."""
+    if _RUN[0] is None:
+        run = [uuid.uuid4().hex[:12] if _rank() == 0 else None]
+        if _world() > 1:
+            dist.broadcast_object_list(run, src=0)
+        _RUN[0] = run[0]
+    return _RUN[0]
 
 
 def rng_state() -> Dict[str, Any]:
@@ -156,6 +173,54 @@ def _saved_part(optim_state: Dict[str, Any], saved: set, path: Path) -> Dict[str
     return {**optim_state, "state": {name: entry for name, entry in kept.items() if entry}}
 
 
+def _diverged_buffers(model: torch.nn.Module) -> List[str]:
+    """The saved buffers (plain tensors, not DTensor shards) whose values differ between ranks: a checkpoint holds
+    one copy of each, so every rank resumes with one rank's (FSDP keeps no buffer in step: BatchNorm's statistics)."""
+    if _world() == 1:
+        return []
+    named = [(f"{prefix}.{name}" if prefix else name, b) for prefix, m in model.named_modules()
+             for name, b in m._buffers.items()
+             if b is not None and name not in m._non_persistent_buffers_set and type(b) is torch.Tensor]
+    if not named:
+        return []
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flat = torch.cat([b.detach().reshape(-1).to(device, torch.float64) for _, b in named])
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    differs = (high != low) & ~(flat.isnan())  # NaN compares unequal to itself
+    out, start = [], 0
+    for name, b in named:
+        if differs[start:start + b.numel()].any():
+            out.append(name)
+        start += b.numel()
+    return out
+
+
+_WRAPPERS = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}  # DDP, compile, AC, FSDP1
+
+
+def _optimizer_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer's class and which parameters (by their unwrapped names) each of its groups holds: what a
+    checkpoint's optimizer state means, and what DCP's loading by name does not check."""
+    names = {id(p): ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+             for name, p in model.named_parameters(remove_duplicate=False)}
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "groups": [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]}
+
+
+def _layout_change(saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[str]:
+    if saved["class"] != now["class"]:
+        return (f"the checkpoint's optimizer is {saved['class']}, this one {now['class']}: its state would drive "
+                "another update rule")
+    if [sorted(g) for g in saved["groups"]] != [sorted(g) for g in now["groups"]]:
+        sizes = lambda groups: ", ".join(str(len(g)) for g in groups)  # noqa: E731
+        return (f"the checkpoint's optimizer has {len(saved['groups'])} parameter group(s) of {sizes(saved['groups'])} "
+                f"parameters, this one {len(now['groups'])} of {sizes(now['groups'])} (or the same sizes holding other "
+                "parameters): each group's rate and weight decay would apply to other parameters")
+    return None
+
+
 def _first_failure(error: "CheckpointException") -> str:
     """The first rank's failure of a DCP CheckpointException, as one line."""
     for failure in (getattr(error, "failures", None) or {}).values():
@@ -190,6 +255,7 @@ class Checkpointer:
         self._saved: set = set()  # steps this Checkpointer wrote
         if _rank() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
+        self._run = _run_id()
         if async_save and dist.is_initialized():
             # The background thread's collectives get their own gloo group: no NCCL work from a
             # second thread racing the training stream (what torchtitan does too).
@@ -215,6 +281,14 @@ class Checkpointer:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
+    @staticmethod
+    def _writer(path: Path) -> Optional[str]:
+        """The run id of the job that wrote checkpoint ``path`` (None: unknown, an older or damaged one)."""
+        try:
+            return json.loads((path / INFO).read_text()).get("run")
+        except (OSError, ValueError, AttributeError):
+            return None
+
     def train_state(self, path=None) -> Optional[Dict[str, Any]]:
         """The train state (``step``, ``world_size`` and what ``save`` was given) of the latest (or ``path``'s)
         checkpoint, read without loading it (a resume can check it first); None when there is none."""
@@ -236,29 +310,40 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
-        # Later checkpoints are set aside as a rollback's abandoned line only by a run that resumed (or wrote them)
-        foreign = ([n for n, _ in self.checkpoints() if n > step and n not in self._saved]
+        # Checkpoints of a line this run did not load from (another run's) are never replaced, set aside or joined
+        foreign = ([n for n, path in self.checkpoints() if self._writer(path) != self._run]
                    if self._resumed_from is None else [])
         if foreign:  # every rank sees the same folder: all raise
-            raise ValueError(f"{self.dir} holds checkpoints of later step(s) {', '.join(map(str, foreign[:5]))} that "
-                             "this Checkpointer neither loaded nor wrote (another run's, or this run's before a "
-                             f"restart without resuming): saving step {step} would set them aside; load() first to "
-                             "continue that run, or save into another directory")
+            raise ValueError(f"{self.dir} holds checkpoints of step(s) {', '.join(map(str, foreign[:5]))} that this "
+                             "Checkpointer neither loaded nor wrote (another run's, or this run's before a restart "
+                             f"without resuming): saving step {step} would replace, set aside or mix with them; load() "
+                             "first to continue that run, or save into another directory")
         final = self.dir / f"{PREFIX}{step:08d}"
+        # saved again by this run: replaced; else (a checkpoint of the line a rollback left) set aside
+        own = int(step) in self._saved or (self._resumed_from is None and self._writer(final) == self._run)
         tmp = self.dir / f"{TMP}{final.name}"
         if _rank() == 0:
             for stale in self.dir.glob(f"{TMP}*"):  # left by a save that was killed
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
-        reserved = {"step", "world_size", "time"} & set(train_state or {})
+        reserved = {"step", "world_size", "time", "optimizer", "run"} & set(train_state or {})
         if reserved:
             raise ValueError(f"train_state may not set {sorted(reserved)}: the checkpoint records them itself")
-        info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
+        info = {"step": int(step), "world_size": _world(), "time": time.time(), "run": self._run,
+                **(train_state or {})}
+        if optimizer is not None:
+            info["optimizer"] = _optimizer_layout(model, optimizer)
         try:
             json.dumps(info)
         except TypeError as e:
             raise TypeError(f"train_state must be JSON-serializable (ints, floats, strings, lists): {e}") from None
         _check_same_on_every_rank({"step": int(step), **(train_state or {})})
+        diverged = _diverged_buffers(model)
+        if diverged and _rank() == 0:
+            logger.warning("buffers differ between ranks (%s%s): the checkpoint keeps one rank's copy, and a resume "
+                           "gives it to every rank; synchronize them before saving (broadcast from rank 0, as "
+                           "experiments/train_ddp.py's sync_buffers) or use SyncBatchNorm", ", ".join(diverged[:5]),
+                           ", ..." if len(diverged) > 5 else "")
         state: Dict[str, Any] = {"train_state": json.dumps(info), f"rng_rank{_rank()}": pickle.dumps(rng_state())}
         # An optimizer that has not stepped has no state to save: get_state_dict would make one by stepping it
         # (AdamW's step count would start at 1 and its first real update come out smaller).
@@ -278,7 +363,7 @@ class Checkpointer:
             def commit(fut):
                 try:
                     if fut.exception() is None and _rank() == 0:
-                        self._commit(tmp, final, info)
+                        self._commit(tmp, final, info, own)
                         logger.info("checkpoint %s written (async, %.1f s)", final, time.perf_counter() - t0)
                 except Exception as e:  # noqa: BLE001  raised by wait(), on every rank
                     logger.exception("committing checkpoint %s failed", final)
@@ -293,22 +378,23 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             if _rank() == 0:
-                self._commit(tmp, final, info)
+                self._commit(tmp, final, info, own)
             _barrier()
             logger.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
         self._saved.add(int(step))
         return final
 
-    def _commit(self, tmp: Path, final: Path, info: Dict[str, Any]) -> None:
-        """Rank 0, after DCP finished: publish ``tmp`` as ``final`` (atomic rename), prune old ones."""
+    def _commit(self, tmp: Path, final: Path, info: Dict[str, Any], own: bool) -> None:
+        """Rank 0, after DCP finished: publish ``tmp`` as ``final`` (atomic rename), prune old ones. ``own``: a
+        checkpoint of this step already there is this Checkpointer's (replaced), not an abandoned line's."""
         (tmp / INFO).write_text(json.dumps(info, indent=1))
         old = None
-        if final.exists():  # the same step saved again: move the old one aside first
+        if final.exists() and own:  # the same step saved again: move the old one aside first
             old = final.with_name(f"{TMP}old-{final.name}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         step = info["step"]
-        later = [(n, path) for n, path in self.checkpoints() if n > step]
+        later = [(n, path) for n, path in self.checkpoints() if n >= step]
         for n, path in later:  # a run resumed from an earlier checkpoint: the later ones are another line now
             aside, again = path.with_name(f"{ABANDONED}{path.name}"), 1
             while aside.exists():  # abandoned before, by another rollback
@@ -369,6 +455,11 @@ class Checkpointer:
             raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
         t0 = time.perf_counter()
         with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
+        layout = (self.train_state(path) or {}).get("optimizer") if with_optim else None
+        change = layout and _layout_change(layout, _optimizer_layout(model, optimizer))
+        if change:  # DCP would load the state by parameter name into whatever groups and rule this optimizer has
+            raise ValueError(f"{path}: {change}; build the optimizer as the saved run did, or load the model "
+                             "alone (optimizer=None)")
         if optimizer is not None and not with_optim:  # left untouched: get_state_dict would step it
             logger.warning("%s holds no optimizer state (saved before its first step?): the optimizer starts "
                            "fresh", path)
@@ -405,5 +496,6 @@ class Checkpointer:
             logger.warning("checkpoint written by %s rank(s), resumed on %d: model, optimizer and data position "
                            "restored (resharded), random generator states not", info.get("world_size"), _world())
         self._resumed_from = info["step"]
+        self._saved = set()  # what it wrote before is the abandoned line now: a save of such a step sets it aside
         logger.info("resumed from %s (step %d) in %.1f s", path, info["step"], time.perf_counter() - t0)
         return info

@@ -36,7 +36,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from fuselab._io import non_negative_int, positive_float, positive_int  # noqa: F401  (the scripts' argparse types)
+from fuselab._io import non_negative_float, non_negative_int, positive_float, positive_int  # noqa: F401  (the scripts' argparse types)
 from fuselab._results import FAILURE_KEYS, QUANTILES, ROW_KEYS, Results, Timing, environment  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,7 +225,7 @@ class Providers:
 
 
 # ----------------------------------------------------------------------------------------------
-# Command lines (the argparse types positive_int, positive_float, non_negative_int: fuselab._io's)
+# Command lines (the argparse types positive_int, positive_float, non_negative_int, non_negative_float: fuselab._io's)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -67,9 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stop after this many optimizer steps in all (default: --epochs full epochs)")
     p.add_argument("--batch", type=harness.positive_int, default=256, help="images per rank per step")
     p.add_argument("--lr", type=harness.positive_float, default=0.1, help="learning rate of one rank; x world size")
-    p.add_argument("--warmup-epochs", type=float, default=0.5)
+    p.add_argument("--warmup-epochs", type=harness.non_negative_float, default=0.5)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--weight-decay", type=harness.non_negative_float, default=5e-4)
     p.add_argument("--no-augment", dest="augment", action="store_false", help="no random horizontal flips")
     p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (SyncBatchNorm)")
     p.add_argument("--limit-train", type=harness.positive_int, default=None, help="use the first N training images")
@@ -82,10 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     finish_run_args(p, args, STUDY,
                     tiny=dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2),
                     argv=argv)
-    if args.warmup_epochs < 0:
-        p.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if not 0 <= args.momentum < 1:
         p.error(f"--momentum must be in [0, 1), got {args.momentum}")
+    if args.sync_bn and args.device == "cpu":
+        p.error("--sync-bn: torch's SyncBatchNorm runs on CUDA only")
     return args
 
 

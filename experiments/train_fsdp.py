@@ -98,8 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=harness.positive_float, default=3e-4)
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay down to lr x this")
     g.add_argument("--warmup", type=harness.non_negative_int, default=30, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
+    g.add_argument("--weight-decay", type=harness.non_negative_float, default=0.1)
+    g.add_argument("--clip", type=harness.non_negative_float, default=1.0, help="gradient-norm clip (0: none)")
     g = p.add_argument_group("speed and memory")
     g.add_argument("--shard", choices=("auto", "always", "never"), default="auto",
                    help="FSDP2: auto = when world size > 1; never = whole model (DDP on several ranks)")

@@ -55,6 +55,8 @@ def finish_run_args(p: argparse.ArgumentParser, args: argparse.Namespace, study:
                 setattr(args, key, value)
     if args.resume and args.checkpoint_dir is None:
         p.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_dir is not None and args.checkpoint_dir.exists() and not args.checkpoint_dir.is_dir():
+        p.error(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a folder")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device (use --device cpu)")
     if args.precision is None:
@@ -70,6 +72,8 @@ def open_checkpointer(args: argparse.Namespace, settings: Dict[str, object], log
     so a changed rate, model or length would train a hybrid under the new run's label."""
     ckpt = fd.Checkpointer(args.checkpoint_dir, keep=args.keep, async_save=args.async_checkpoint)
     found = ckpt.checkpoints()
+    if args.resume and not found:  # the first launch of a preemptible job, or a mistyped folder: say which
+        log.warning("--resume: no checkpoint in %s: training starts at step 0", args.checkpoint_dir)
     if found and not args.resume:
         ckpt.close()
         raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints (up to step {found[-1][0]}): pass "

@@ -68,6 +68,8 @@ def _number(text: str, kind, lowest, inclusive: bool, what: str):
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
     if not (value >= lowest if inclusive else value > lowest):  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {lowest}, got {text}")
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
     return value
 
 
@@ -82,5 +84,10 @@ def non_negative_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """argparse type: a number > 0, else a usage error that names the value."""
+    """argparse type: a finite number > 0, else a usage error that names the value."""
     return _number(text, float, 0, False, "a positive number")
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0, else a usage error that names the value."""
+    return _number(text, float, 0, True, "a number >= 0")

@@ -201,6 +201,13 @@ def check_edges(rt, out_dir):
         out["sparse_fsdp"] = "sharded"
     except ValueError as e:
         out["sparse_fsdp"] = str(e)
+    shared, block = torch.nn.Linear(4, 4), type("Block", (torch.nn.Sequential,), {})
+    try:  # one module in two blocks: FSDP2 failed with "value was None"
+        fd.fully_shard_model(torch.nn.Sequential(block(shared), block(shared)), block_types=[block],
+                             mixed_precision=False)
+        out["shared_fsdp"] = "sharded"
+    except ValueError as e:
+        out["shared_fsdp"] = str(e)
     torch.manual_seed(0)
     opt_model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
                                          num_attention_heads=2, max_position_embeddings=SEQ, word_embed_proj_dim=16,

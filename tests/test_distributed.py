@@ -144,6 +144,7 @@ def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     assert "differ between ranks in ['step']" in edges["per_rank_step"]
     # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
     assert "FSDP2 cannot shard sparse-gradient embeddings (0: sparse=True)" in edges["sparse_fsdp"]
+    assert "parameters shared between blocks (0.weight, 0.bias)" in edges["shared_fsdp"], edges
     # FSDP2 renames OPTDecoderLayer to FSDPOPTDecoderLayer: the adapter found none of its fc1 layers
     assert edges["opt_fused_after_shard"] == ["model.decoder.layers.0.fc1", "model.decoder.layers.1.fc1"]
 
@@ -382,6 +383,8 @@ def test_launch_environment_turns_nvlink_multicast_off():
     (["--vocab-multiple", "0"], "must be >= 1"),
     (["--vocab-multiple", "4096"], "at most 1024"),
     (["--device", "cpu"], "a 1.31B-parameter GPT-2 on the CPU"),  # it started, and ran for minutes a step
+    (["--tiny", "--clip", "nan"], "--clip: must be >= 0, got nan"),  # no clipping, silently
+    (["--tiny", "--weight-decay", "nan"], "--weight-decay: must be >= 0"),
 ])
 def test_train_fsdp_rejects_bad_arguments(argv, message, capsys):
     from experiments import train_fsdp
@@ -395,6 +398,10 @@ def test_train_fsdp_rejects_bad_arguments(argv, message, capsys):
     (["--batch", "-3"], "must be >= 1"),
     (["--resume"], "needs --checkpoint-dir"),
     (["--arch", "vgg"], "invalid choice"),
+    (["--lr", "inf"], "--lr: must be finite"),  # it trained to a NaN loss and wrote the results
+    (["--warmup-epochs", "nan"], "--warmup-epochs: must be >= 0"),  # a traceback
+    (["--weight-decay", "-1"], "--weight-decay: must be >= 0"),
+    (["--sync-bn"], "SyncBatchNorm runs on CUDA only"),  # failed after start-up
 ])
 def test_train_ddp_rejects_bad_arguments(argv, message, capsys):
     from experiments import train_ddp

@@ -443,6 +443,14 @@ class Checkpointer:
         in place, restore RNG states (same world size only), and return its train state (``step``,
         ``world_size`` and what ``save`` was given); None when there is no checkpoint."""
         self.wait()
+        if path is None:
+            latest = self.checkpoints()[-1][0] if self.checkpoints() else -1
+            broken = sorted(p.name for p in self.dir.glob(f"{PREFIX}*")
+                            if p.is_dir() and not (p / ".metadata").exists() and p.name[len(PREFIX):].isdigit()
+                            and int(p.name[len(PREFIX):]) > latest)
+            if broken:  # complete ones are renamed into place: a folder without .metadata was damaged since
+                logger.warning("%s: %s lack .metadata (damaged): resuming from the latest complete checkpoint before "
+                               "them", self.dir, ", ".join(broken))
         path = Path(path) if path is not None else self.latest()
         if path is None:
             logger.info("no checkpoint in %s: starting from scratch", self.dir)

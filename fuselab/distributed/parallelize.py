@@ -14,7 +14,7 @@ DTensor's error, naming ``fuselab.matmul_relu``. Sparse-gradient embeddings cann
 (FSDP2 reduce-scatters dense gradients): ``ddp_model`` takes them.
 """
 import logging
-from typing import Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -185,6 +185,12 @@ def fully_shard_model(model: nn.Module, *, block_types: BlockTypes = None, mixed
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     blocks = wrap_blocks(model, block_types=block_types, activation_checkpointing=activation_checkpointing,
                          compile_blocks=compile_blocks, compile_options=compile_options)
+    shared = _shared_across_blocks(blocks)
+    if shared:  # FSDP2 shards a parameter in one unit: another unit's use fails deep inside ("value was None")
+        more = ", ..." if len(shared) > 3 else ""
+        raise ValueError(f"parameters shared between blocks ({', '.join(shared[:3])}{more}): FSDP2 shards each in one "
+                         "unit; move the shared module out of the blocks (it is then sharded with the root) or pass "
+                         "block_types that keep its users in one block")
     mp = mixed_precision_policy(mixed_precision, param_dtype, reduce_dtype)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp,
@@ -196,6 +202,18 @@ def fully_shard_model(model: nn.Module, *, block_types: BlockTypes = None, mixed
                 ", activation checkpointing" if activation_checkpointing else "",
                 ", compiled blocks" if compile_blocks else "")
     return model
+
+
+def _shared_across_blocks(blocks: List[nn.Module]) -> List[str]:
+    """Names (in the first block holding them) of parameters that two of ``blocks`` hold."""
+    owner: Dict[int, Tuple[int, str]] = {}
+    shared = []
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (i, name))
+            if first[0] != i and first[1] not in shared:
+                shared.append(first[1])
+    return shared
 
 
 def is_sharded(model: nn.Module) -> bool:

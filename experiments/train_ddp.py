@@ -41,6 +41,7 @@ from experiments.training import (
     restart_schedule,
     run_distributed,
     run_settings,
+    training_run,
     warmup_cosine_schedule,
 )
 from fuselab import distributed as fd
@@ -182,9 +183,12 @@ def train(args, rt):
                 else contextlib.nullcontext())
     torch.manual_seed(args.seed + 1 + rt.rank)  # per-rank augmentation draws
 
-    ckpt, epoch, skip, step = None, 0, 0, 0
-    # the cosine decays over the run's length: a resume that changed it (--epochs, --steps) would be a hybrid
-    settings = {**run_settings(args, SETTINGS), "schedule (samples)": total_steps * args.batch * world}
+    ckpt, epoch, skip, step, state = None, 0, 0, 0, None
+    # the cosine decays over the run's length: a resume that changed it (--epochs, --steps) would be a hybrid; in
+    # whole epochs (their steps depend on the world size) or, stopped by --steps, in samples
+    length = (f"{args.epochs} epochs" if total_steps == args.epochs * steps_per_epoch
+              else f"{total_steps * args.batch * world} samples")
+    settings = {**run_settings(args, SETTINGS), "schedule": length}
     if args.checkpoint_dir is not None:
         ckpt = open_checkpointer(args, settings, log)
         if args.resume:
@@ -201,12 +205,14 @@ def train(args, rt):
                     restart_schedule(sched, args.lr * world, step)
 
     first_step = step
+    run_id = training_run(state)
     keys = dict(op=f"{args.arch}{'-tiny' if args.tiny else ''} fashion-mnist",
                 provider="ddp" + ("+compile" if args.compile else "") + ("+syncbn" if args.sync_bn else ""),
                 shape=f"{world}x{args.batch}", dtype=args.precision, mode="wall")
     log.info("%s: %s, %d rank(s) x batch %d, lr %.3g (= %.3g x %d), %d steps/epoch, %d steps", keys["op"],
              keys["provider"], world, args.batch, args.lr * world, args.lr, world, steps_per_epoch, total_steps)
     results = harness.Results(STUDY, device=args.device)
+    results.annotate(training_run=run_id)
     windows, accuracies = [], []
     bar = tqdm(total=total_steps, initial=step, desc=STUDY, disable=not rt.is_main, dynamic_ncols=True)
     if cuda:
@@ -249,7 +255,8 @@ def train(args, rt):
             if ckpt is not None and args.checkpoint_every and step % args.checkpoint_every == 0 and not end_of_epoch:
                 sync_buffers(module)
                 seen = skip + done * args.batch * world
-                ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": seen, "settings": settings})
+                ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": seen, "settings": settings,
+                                                    "training_run": run_id})
                 window_clean = False
         epoch_s = time.perf_counter() - epoch_t0
         sync_buffers(module)
@@ -265,7 +272,8 @@ def train(args, rt):
         else:  # stopped by --steps inside the epoch
             skip += done * args.batch * world
         if ckpt is not None:
-            ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": skip, "settings": settings})
+            ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": skip, "settings": settings,
+                                                "training_run": run_id})
     bar.close()
     if ckpt is not None:
         ckpt.close()
@@ -282,7 +290,7 @@ def train(args, rt):
     else:
         log.warning("no timed window (all within --timing-skip %d): no throughput", args.timing_skip)
     if accuracies:
-        results.record(metric="final test accuracy", value=accuracies[-1][1], epoch=accuracies[-1][0], **keys)
+        results.record(metric="final test accuracy", value=accuracies[-1][1], after_epoch=accuracies[-1][0], **keys)
         summary["final test accuracy"] = accuracies[-1][1]
     if peak is not None:
         results.record(metric="peak MiB", value=peak, **keys)

@@ -46,6 +46,7 @@ from experiments.training import (
     open_checkpointer,
     run_distributed,
     run_settings,
+    training_run,
     warmup_cosine_schedule,
 )
 from fuselab import distributed as fd
@@ -312,7 +313,7 @@ def train(args, rt):
     loss_fn = torch.compile(lm_loss, **compile_options) if compile_blocks else lm_loss
     opt, sched = make_optimizer(model, args, device)
 
-    ckpt = None
+    ckpt, state = None, None
     start, samples_seen = 0, 0
     settings = run_settings(args, SETTINGS)
     if args.checkpoint_dir is not None:
@@ -334,6 +335,7 @@ def train(args, rt):
                                 state.get("global_batch"), global_batch)
     if start >= args.steps:
         log.info("the checkpoint is at step %d >= --steps %d: nothing to train", start, args.steps)
+    run_id = training_run(state)
 
     variant = variant_name(args, sharded, world)
     shape = f"{world}x{args.batch}x{args.seq}" + (f" accum{accum}" if accum > 1 else "")
@@ -403,7 +405,7 @@ def train(args, rt):
         if ckpt is not None and ((args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.steps):
             ckpt.save(step, model, opt, sched, {"samples_seen": samples_seen, "global_batch": global_batch,
                                                 "seq": args.seq, "tokens_seen": samples_seen * args.seq,
-                                                "settings": settings})
+                                                "settings": settings, "training_run": run_id})
             window_dirty = True  # a window that spans a save is not timed
     bar.close()
     if ckpt is not None:
@@ -421,13 +423,14 @@ def train(args, rt):
         return []
     return report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib,
                           dict(op=op, provider=variant, shape=shape, dtype=args.precision, mode="wall"),
-                          n_params, fpt, global_batch)
+                          n_params, fpt, global_batch, run_id)
 
 
 @torch.no_grad()
 def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int) -> float:
-    """Mean loss over the first ``--val-batches`` x global batch held-out sequences, in eval mode (no dropout): the
-    same sequences at any world size and micro-batch, each rank a contiguous share in micro-batches of ``--batch``."""
+    """Mean loss over the first ``--val-batches`` x global batch held-out sequences, in eval mode (no dropout): for
+    one global batch, the same sequences at any world size and micro-batch; each rank a contiguous share, in
+    micro-batches of ``--batch``."""
     count = args.val_batches * global_batch
     share = range(rt.rank * count // rt.world_size, (rt.rank + 1) * count // rt.world_size)
     total = torch.zeros((), dtype=torch.float64)
@@ -441,8 +444,10 @@ def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int)
     return fd.all_reduce(total.item(), "sum") / count
 
 
-def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch):
+def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch,
+                   run_id: str):
     results = harness.Results(STUDY, device=args.device)
+    results.annotate(training_run=run_id)
     extra = dict(world_size=rt.world_size, params=n_params, flops_per_token=fpt, global_batch=global_batch,
                  seq=args.seq, vocab=padded_vocab(args),
                  flop_formula="6*N + 12*L*d*T per token (N without the position embedding and vocabulary padding)")

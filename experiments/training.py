@@ -2,11 +2,13 @@
 windows) and process group, the learning-rate schedule and the weight-decay groups."""
 import argparse
 import math
+import uuid
 from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Set
 
 import torch
+import torch.distributed as dist
 
 from experiments import harness
 from fuselab import distributed as fd
@@ -88,6 +90,18 @@ def open_checkpointer(args: argparse.Namespace, settings: Dict[str, object], log
         raise SystemExit(f"--resume: this run's settings differ from the checkpoint's run ({'; '.join(changed)}): a "
                          "resume continues that run; pass its settings, or start a new run in another --checkpoint-dir")
     return ckpt
+
+
+def training_run(state: Optional[Dict[str, object]]) -> str:
+    """The id that names a training run across its resumes (saved in its checkpoints' train state, recorded in
+    its results: a ``--merge``d resume's curve goes beside its first part's): the checkpoint's, else a new one,
+    rank 0's on every rank."""
+    if state is not None and state.get("training_run"):
+        return str(state["training_run"])
+    run = [uuid.uuid4().hex[:12]]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(run, src=0)
+    return run[0]
 
 
 def run_settings(args: argparse.Namespace, names) -> Dict[str, object]:

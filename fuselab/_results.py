@@ -110,9 +110,9 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None,
 
 ROW_KEYS = ("study", "op", "provider", "shape", "dtype", "mode", "metric", "p20", "p50", "p80")
 FAILURE_KEYS = ("op", "provider", "shape", "dtype", "mode")  # what a failure is keyed by (no metric)
-CURVE_KEYS = ("step", "epoch")  # extra keys that place a row on a training curve
+CURVE_KEYS = ("step", "epoch")  # extra keys that place a row on a training run's curve
 # what a run's device cannot change: a merge lets a run on another device replace these rows
-DEVICE_FREE_METRICS = frozenset({"MB", "rows touched", "max lookups of one row", "graph breaks"})
+DEVICE_FREE_METRICS = frozenset({"MB", "rows touched", "max lookups of one row"})
 
 
 def measured_device(env: dict) -> str:
@@ -251,11 +251,34 @@ class Results:
         failed = [f for f in self.failed if self.device_of(f) == device]
         return Results(self.study, self.runs, rows, self.baselines, failed)
 
-    def _row_identity(self, row: dict) -> tuple:
-        """What a merge matches rows by: the labels, the point of a curve (a training step or epoch: a resumed run's
-        rows go beside its first part's), and the measuring device unless the metric cannot depend on it."""
+    def _labels(self, row: dict) -> tuple:
+        """What a merge matches rows by: the labels, and the measuring device unless the metric cannot depend on it."""
         device = None if row["metric"] in DEVICE_FREE_METRICS else self.device_of(row)
-        return (*(row.get(k) for k in ROW_KEYS[1:7]), *(row.get(k) for k in CURVE_KEYS), device)
+        return (*(row.get(k) for k in ROW_KEYS[1:7]), device)
+
+    def _training_run(self, row: dict) -> Optional[str]:
+        """The training run (kept across its resumes: ``annotate(training_run=...)``) whose curve ``row`` is a point
+        of; None for a row of no curve (no step or epoch) or a run that names none."""
+        if all(row.get(k) is None for k in CURVE_KEYS):
+            return None
+        return self.runs.get(row["run"], {}).get("training_run")
+
+    def _replaced_by(self, new: "Results"):
+        """Whether a row of this file is replaced by ``new``'s rows in a merge: the same labels, unless both are
+        points of one training run's curve (a resumed run's part beside the first part's) at other steps."""
+        labels = {new._labels(r) for r in new.rows}
+        points = {(new._labels(r), new._training_run(r), *(r.get(k) for k in CURVE_KEYS)) for r in new.rows}
+        runs = {new._training_run(r) for r in new.rows} - {None}
+
+        def replaced(row: dict) -> bool:
+            if self._labels(row) not in labels:
+                return False
+            run = self._training_run(row)
+            if run is None or run not in runs:  # another run's curve, or no curve: the new rows stand alone
+                return True
+            return (self._labels(row), run, *(row.get(k) for k in CURVE_KEYS)) in points
+
+        return replaced
 
     def _failure_identity(self, entry: dict) -> tuple:
         return (*(entry.get(k) for k in FAILURE_KEYS), self.device_of(entry))
@@ -286,16 +309,17 @@ class Results:
 
     def save(self, path: Path, merge: bool = False) -> Path:
         """Write atomically (a crash leaves the old file whole); ``merge`` keeps the rows already
-        there, replacing those this run measured again (same op, provider, shape, dtype, mode, metric, step
-        and epoch, on the same type of device: a CPU run's rows go beside a GPU run's of the same labels)."""
+        there, replacing those this run measured again (same op, provider, shape, dtype, mode and metric, on
+        the same type of device: a CPU run's rows go beside a GPU run's of the same labels; a resumed training
+        run's curve goes beside its first part's, ``_replaced_by``)."""
         path = Path(path)
         out = self
         if merge and path.exists():
             old = Results.load(path)
             if old.study != self.study:
                 raise ValueError(f"{path} holds study {old.study!r}, not {self.study!r}: not merged")
-            mine = {self._row_identity(r) for r in self.rows}
-            kept = [r for r in old.rows if old._row_identity(r) not in mine]
+            replaced = old._replaced_by(self)
+            kept = [r for r in old.rows if not replaced(r)]
             # an earlier failure stays listed until this run measures or fails that configuration again
             tried = {self._failure_identity(r) for r in self.rows + self.failed}
             kept_failed = [f for f in old.failed if old._failure_identity(f) not in tried]

@@ -298,22 +298,19 @@ def run_training(rt, ckpt_dir, out):
     model, opt, sched = make_training(rt, sharded=True)
     torch.manual_seed(123 + rt.rank)  # per-rank generator states, which the checkpoints must restore
     position, losses = 0, []
-    sync = fd.Checkpointer(ckpt_dir, keep=2)
-    background = fd.Checkpointer(ckpt_dir, keep=2, async_save=True)
+    ckpt = fd.Checkpointer(ckpt_dir, keep=2)
     for step in range(1, STEPS + 1):
         loss, position = train_step(rt, model, opt, sched, position)
         losses.append(loss)
-        if step < SAVE_AT:
-            sync.save(step, model, opt, sched, {"position": position})
-        elif step == SAVE_AT:
-            background.save(step, model, opt, sched, {"position": position})
-            background.wait()
+        if step <= SAVE_AT:  # the last one written in the background
+            ckpt.save(step, model, opt, sched, {"position": position}, async_save=step == SAVE_AT)
+        if step == SAVE_AT:
+            ckpt.wait()
             out["rand_after_checkpoint"] = _gather_floats(torch.rand(2).tolist())
     out["losses"] = losses
     out["lr_after"] = sched.get_last_lr()
-    out["checkpoints"] = [p.name for _, p in sync.checkpoints()]
-    background.close()
-    return model, opt, sched, sync
+    out["checkpoints"] = [p.name for _, p in ckpt.checkpoints()]
+    return model, opt, sched, ckpt
 
 
 def _gather_floats(values):

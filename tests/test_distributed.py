@@ -287,7 +287,7 @@ def test_train_ddp_script(tmp_path):
     # schedule spans the same 384 samples (12 of its steps), and another length is refused
     from experiments import train_ddp
 
-    with pytest.raises(SystemExit, match="schedule \\(samples\\) 384 -> 448"):
+    with pytest.raises(SystemExit, match="schedule '384 samples' -> '448 samples'"):
         train_ddp.main([*common, "--steps", "14", "--resume"])
     rows = train_ddp.main([*common, "--steps", "12", "--resume", "--out", str(tmp_path / "s.json")])
     assert {r["step"] for r in rows if r["metric"] == "test accuracy"} == {12}
@@ -453,16 +453,22 @@ try:
 except ValueError as e:
     print("negative", e)
 # Another run's checkpoints in the folder: a Checkpointer that has not loaded one does not save beside them
-import fuselab.distributed.checkpoint as checkpoint_module
-checkpoint_module._RUN[0] = None  # as a new job would
 try:
     fd.Checkpointer(sys.argv[1] + "-roll").save(5, model)
 except ValueError as e:
     print("foreign", e)
-try:  # the same step as another run's: it was replaced without a word
+try:  # the same step as another run's (a notebook cell run again, say): it was replaced without a word
     fd.Checkpointer(sys.argv[1]).save(3, model)
 except ValueError as e:
     print("samestep", e)
+# A rollback to a step whose later checkpoint was damaged since (no .metadata): set aside, not a crash on rename
+damaged = fd.Checkpointer(sys.argv[1] + "-damaged", keep=None)
+for step in (1, 2, 3):
+    damaged.save(step, model)
+(damaged.dir / "step_00000003" / ".metadata").unlink()
+damaged.load(model)
+damaged.save(3, model)
+print("damaged", " ".join(sorted(p.name for p in damaged.dir.iterdir())))
 # A rollback that saves the step it abandons (resumed from 1, saves 2 again): the old line's 2 is set aside
 again = fd.Checkpointer(sys.argv[1] + "-again", keep=None)
 for step in (1, 2, 3):
@@ -537,7 +543,7 @@ def test_a_checkpoint_names_buffers_that_differ_between_ranks(tmp_path):
     script.write_text(DIVERGED_BUFFERS)
     proc = launch([str(tmp_path / "ck")], script=script, timeout=180)
     assert proc.returncode == 0, output(proc)
-    assert "buffers differ between ranks (1.running_mean)" in proc.stderr, output(proc)
+    assert "buffers differ between ranks (1.running_mean" in proc.stderr, output(proc)
 
 
 def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
@@ -553,7 +559,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
-                  "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups"))
+                  "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -568,5 +574,6 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert "2 parameter group(s) of 2, 2 parameters, this one 1 of 4" in lines["regrouped"], lines
     assert "optimizer is torch.optim.adam.Adam, this one torch.optim.adamw.AdamW" in lines["reclassed"], lines
     assert lines["samegroups"] == "loaded", lines
+    assert lines["damaged"] == "abandoned-step_00000003 step_00000001 step_00000002 step_00000003", lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines

@@ -226,18 +226,28 @@ def test_a_cpu_run_merged_into_a_gpu_file_goes_beside_its_rows(tmp_path):
 
 def test_a_resumed_runs_curve_merges_beside_its_first_part(tmp_path):
     # --merge matched rows without their step: a resumed training run's loss rows replaced the first part's curve.
+    # Matched by step alone, a fresh run's shorter curve would splice into another run's: only one training run's
+    # parts go beside each other.
     path = tmp_path / "t.json"
-    first, resumed = Results("train_fsdp"), Results("train_fsdp")
-    for res, steps in ((first, (2, 4, 6)), (resumed, (6, 8))):
+
+    def run(steps, training_run):
+        res = Results("train_fsdp")
+        res.annotate(training_run=training_run)
         for step in steps:
             _row(res, "fsdp", float(step), metric="loss", mode="wall", step=step)
         _row(res, "fsdp", float(len(steps)), metric="tokens/s", mode="wall")
-    first.save(path)
+        return res
+
+    run((2, 4, 6), "first").save(path)
+    resumed = run((6, 8), "first")
     resumed.save(path, merge=True)
     rows = Results.load(path).rows
     assert sorted((r["step"], r["run"] == resumed.run_id) for r in rows if r["metric"] == "loss") == [
         (2, False), (4, False), (6, True), (8, True)]  # the step saved again: the resumed run's
     assert [r["p50"] for r in rows if r["metric"] == "tokens/s"] == [2.0]
+    fresh = run((2,), "another")  # a new run of the same labels replaces the whole curve
+    fresh.save(path, merge=True)
+    assert [(r["step"], r["run"]) for r in Results.load(path).rows if r["metric"] == "loss"] == [(2, fresh.run_id)]
 
 
 def test_save_is_atomic(tmp_path):

@@ -664,7 +664,7 @@ def test_the_fx_path_refuses_a_model_whose_unused_state_or_state_dict_hooks_it_w
     assert report.fused == ["fc"] and set(patched.state_dict()) == {"fc.weight", "fc.bias", "out.weight", "out.bias"}
 
 
-SCALE = 1.0  # read by _ReadsGlobal's forward
+SCALE = torch.tensor(1.0)  # read by _ReadsGlobal's forward (a number would be a constant, kept as traced)
 
 
 class _UpdatesEma(nn.Module):
@@ -728,7 +728,7 @@ class _ReadsLeafByName(_ReadsLeafAttribute):
 
 
 @pytest.mark.parametrize("cls,words", [
-    (_Counts, "assigns to ema"), (_OptionalMask, "argument mask has a default"),
+    (_Counts, "assigns to ema"), (_OptionalMask, "argument mask does not reach the graph"),
     (_IgnoresArgument, "argument mask does not reach the graph"), (_ReadsGlobal, "reads SCALE from outside"),
     (_ReadsLeafAttribute, "reads drop.p"), (_CallsAndReadsLeaf, "reads drop.p"),
     (_ReadsLeafByName, "reads module drop without calling it"),
@@ -744,6 +744,35 @@ def test_the_fx_path_refuses_what_a_graph_would_freeze_and_leaves_the_model_as_i
     assert patched is model and not report.fused and words in report.skipped["fc"], str(report)
     for key, value in model.state_dict().items():  # nothing ran on the model's buffers while tracing
         assert type(value) is torch.Tensor and torch.equal(value, state[key]), key
+
+
+EPS, device = 1e-6, torch.device("cpu")  # module constants, and a global whose name is an attribute's too
+
+
+class _ReadsConstants(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.heads = nn.Linear(8, 8), nn.ModuleDict({"a": nn.Linear(8, 2)})
+        self.register_buffer("table", torch.zeros(16, 8))
+
+    def forward(self, x, scale=1.0):  # a default the graph uses as a value
+        h = F.relu(self.fc(x)) * scale + EPS
+        if self.table.shape[0] >= 8:  # the buffer's shape, in Python: traced with the buffer's value
+            h = h + F.linear(h, self.table).sum(-1, keepdim=True)
+        h = h.to(x.device)
+        return sum(head(h) for _, head in self.heads.items()) * self.fc.out_features
+
+
+def test_what_a_graph_keeps_faithfully_is_still_fused():
+    # The checks above must not refuse what the graph keeps: a numeric constant, an attribute named like a
+    # global, a defaulted argument the graph reads, a module list's items, a Linear's shape, a buffer's shape.
+    torch.manual_seed(0)
+    model, x = _ReadsConstants(), torch.randn(4, 8)
+    stock = copy.deepcopy(model)
+    patched, report = fuse_linear_relu(model)
+    assert report.fused == ["fc"], str(report)
+    torch.testing.assert_close(patched(x), stock(x))
+    torch.testing.assert_close(patched(x, 2.0), stock(x, 2.0))
 
 
 def test_an_in_place_buffer_update_is_traced_and_runs_every_call():
@@ -787,8 +816,21 @@ class _CallsItsSequential(_ReusesTheReLU):
     def forward(self, x):
         return self.seq(x) * 2
 
+    def freeze(self):  # whole-module uses: the same for a fused layer
+        self.seq.requires_grad_(False)
+        return len(self.seq), sum(p.numel() for p in self.seq.parameters())
 
-@pytest.mark.parametrize("cls", [_KeepsFeatures, _ReusesTheReLU, _CallsItsSequential])
+    @staticmethod
+    def describe(seq):
+        return [type(m).__name__ for m in seq]
+
+
+class _ReachesByName(_ReusesTheReLU):
+    def forward(self, x):
+        return self.seq(x) + getattr(self, "seq")[0](x)
+
+
+@pytest.mark.parametrize("cls", [_KeepsFeatures, _ReusesTheReLU, _CallsItsSequential, _ReachesByName])
 def test_a_parent_that_reaches_into_its_sequential_keeps_its_layers(cls):
     # Module patching fused the Sequential's pair while the parent iterated it (its features[0] got the ReLU)
     # or called its ReLU, by then an Identity. Such a parent's Sequential is left alone (the fx path may
@@ -801,6 +843,8 @@ def test_a_parent_that_reaches_into_its_sequential_keeps_its_layers(cls):
     if cls is _KeepsFeatures:  # the fx path fuses the last pair, whose Linear's output nothing else reads
         assert report.fused == ["body.2"] and "forward uses self.body other than by calling it" in report.skipped[
             "body.0"], str(report)
+    elif cls is _ReachesByName:  # the fx path: the Linear's output is used elsewhere, so nothing is fused
+        assert not report.fused and "other than by calling it" in report.skipped["seq.0"], str(report)
     else:
         assert report.fused == ["seq.0"], str(report)
         assert report.method == ("torch.fx rewrite" if cls is _ReusesTheReLU else "module patching")

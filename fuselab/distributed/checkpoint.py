@@ -38,7 +38,6 @@ import random
 import shutil
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -59,6 +58,7 @@ PREFIX = "step_"
 TMP = ".tmp-"
 ABANDONED = "abandoned-"  # checkpoints past the step a resumed run saved again
 INFO = "info.json"
+LAYOUT = "fuselab_optimizer_layout"  # the train state's record of the optimizer's class and groups
 
 
 def _rank() -> int:
@@ -72,20 +72,6 @@ def _world() -> int:
 def _barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)
-
-
-_RUN: List[Optional[str]] = [None]  # this job's run id: every Checkpointer of this process (and job) shares it
-
-
-def _run_id() -> str:
-    """This job's id, rank 0's broadcast to every rank (collective on first use): it marks the checkpoints it writes,
-    so a Checkpointer tells this job's from another run's in the same folder."""
-    if _RUN[0] is None:
-        run = [uuid.uuid4().hex[:12] if _rank() == 0 else None]
-        if _world() > 1:
-            dist.broadcast_object_list(run, src=0)
-        _RUN[0] = run[0]
-    return _RUN[0]
 
 
 def rng_state() -> Dict[str, Any]:
@@ -180,20 +166,23 @@ def _diverged_buffers(model: torch.nn.Module) -> List[str]:
         return []
     named = [(f"{prefix}.{name}" if prefix else name, b) for prefix, m in model.named_modules()
              for name, b in m._buffers.items()
-             if b is not None and name not in m._non_persistent_buffers_set and type(b) is torch.Tensor]
+             if b is not None and name not in m._non_persistent_buffers_set and type(b) is torch.Tensor
+             and b.layout == torch.strided]
     if not named:
         return []
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flat = torch.cat([b.detach().reshape(-1).to(device, torch.float64) for _, b in named])
+    # compared bit for bit (the bytes' max and min over ranks): any dtype, NaN equal to itself
+    flat = torch.cat([b.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for _, b in named])
     high, low = flat.clone(), flat.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    differs = (high != low) & ~(flat.isnan())  # NaN compares unequal to itself
+    differs = high != low
     out, start = [], 0
     for name, b in named:
-        if differs[start:start + b.numel()].any():
+        size = b.numel() * b.element_size()
+        if differs[start:start + size].any():
             out.append(name)
-        start += b.numel()
+        start += size
     return out
 
 
@@ -255,7 +244,6 @@ class Checkpointer:
         self._saved: set = set()  # steps this Checkpointer wrote
         if _rank() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-        self._run = _run_id()
         if async_save and dist.is_initialized():
             # The background thread's collectives get their own gloo group: no NCCL work from a
             # second thread racing the training stream (what torchtitan does too).
@@ -281,14 +269,6 @@ class Checkpointer:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
-    @staticmethod
-    def _writer(path: Path) -> Optional[str]:
-        """The run id of the job that wrote checkpoint ``path`` (None: unknown, an older or damaged one)."""
-        try:
-            return json.loads((path / INFO).read_text()).get("run")
-        except (OSError, ValueError, AttributeError):
-            return None
-
     def train_state(self, path=None) -> Optional[Dict[str, Any]]:
         """The train state (``step``, ``world_size`` and what ``save`` was given) of the latest (or ``path``'s)
         checkpoint, read without loading it (a resume can check it first); None when there is none."""
@@ -303,36 +283,36 @@ class Checkpointer:
     # -- saving -------------------------------------------------------------------------------
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-             scheduler=None, train_state: Optional[Dict[str, Any]] = None) -> Path:
-        """Write a checkpoint of ``step`` (collective); returns its final folder. With
-        ``async_save`` it returns once the state is staged in host memory. ValueError for a step that is not
-        an int >= 0, or a step or ``train_state`` that differs between ranks (before anything is written)."""
+             scheduler=None, train_state: Optional[Dict[str, Any]] = None, *,
+             async_save: Optional[bool] = None) -> Path:
+        """Write a checkpoint of ``step`` (collective); returns its final folder. With ``async_save`` (this call's;
+        default: the Checkpointer's) it returns once the state is staged in host memory. ValueError for a step
+        that is not an int >= 0, or a step or ``train_state`` that differs between ranks (before anything is
+        written)."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
-        # Checkpoints of a line this run did not load from (another run's) are never replaced, set aside or joined
-        foreign = ([n for n, path in self.checkpoints() if self._writer(path) != self._run]
-                   if self._resumed_from is None else [])
+        # Checkpoints of a line this Checkpointer did not load from (another run's) are never replaced, set aside or
+        # joined (a second Checkpointer of one run: save through the first, with async_save per call)
+        foreign = ([n for n, _ in self.checkpoints() if n not in self._saved] if self._resumed_from is None else [])
         if foreign:  # every rank sees the same folder: all raise
             raise ValueError(f"{self.dir} holds checkpoints of step(s) {', '.join(map(str, foreign[:5]))} that this "
                              "Checkpointer neither loaded nor wrote (another run's, or this run's before a restart "
                              f"without resuming): saving step {step} would replace, set aside or mix with them; load() "
                              "first to continue that run, or save into another directory")
         final = self.dir / f"{PREFIX}{step:08d}"
-        # saved again by this run: replaced; else (a checkpoint of the line a rollback left) set aside
-        own = int(step) in self._saved or (self._resumed_from is None and self._writer(final) == self._run)
+        own = int(step) in self._saved  # saved again by this run: replaced; else (a rollback's old line) set aside
         tmp = self.dir / f"{TMP}{final.name}"
         if _rank() == 0:
             for stale in self.dir.glob(f"{TMP}*"):  # left by a save that was killed
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
-        reserved = {"step", "world_size", "time", "optimizer", "run"} & set(train_state or {})
+        reserved = {"step", "world_size", "time", LAYOUT} & set(train_state or {})
         if reserved:
             raise ValueError(f"train_state may not set {sorted(reserved)}: the checkpoint records them itself")
-        info = {"step": int(step), "world_size": _world(), "time": time.time(), "run": self._run,
-                **(train_state or {})}
+        info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
         if optimizer is not None:
-            info["optimizer"] = _optimizer_layout(model, optimizer)
+            info[LAYOUT] = _optimizer_layout(model, optimizer)
         try:
             json.dumps(info)
         except TypeError as e:
@@ -355,7 +335,9 @@ class Checkpointer:
         if scheduler is not None:
             state["scheduler"] = pickle.dumps(scheduler.state_dict())
         t0 = time.perf_counter()
-        if self.async_save:
+        if self.async_save if async_save is None else async_save:
+            if self._group is None and dist.is_initialized():  # every rank takes this branch: a collective is fine
+                self._group = dist.new_group(backend="gloo")
             response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
             future = getattr(response, "upload_completion", response)  # newer torch: AsyncSaveResponse
             done, errors = threading.Event(), []
@@ -389,12 +371,14 @@ class Checkpointer:
         checkpoint of this step already there is this Checkpointer's (replaced), not an abandoned line's."""
         (tmp / INFO).write_text(json.dumps(info, indent=1))
         old = None
+        step = info["step"]
         if final.exists() and own:  # the same step saved again: move the old one aside first
             old = final.with_name(f"{TMP}old-{final.name}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-        step = info["step"]
-        later = [(n, path) for n, path in self.checkpoints() if n >= step]
+        later = [(n, path) for n, path in self.checkpoints() if n > step]
+        if final.exists():  # a rollback's old line holds this step (complete, or damaged: no .metadata)
+            later.insert(0, (step, final))
         for n, path in later:  # a run resumed from an earlier checkpoint: the later ones are another line now
             aside, again = path.with_name(f"{ABANDONED}{path.name}"), 1
             while aside.exists():  # abandoned before, by another rollback
@@ -463,7 +447,7 @@ class Checkpointer:
             raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
         t0 = time.perf_counter()
         with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
-        layout = (self.train_state(path) or {}).get("optimizer") if with_optim else None
+        layout = (self.train_state(path) or {}).get(LAYOUT) if with_optim else None
         change = layout and _layout_change(layout, _optimizer_layout(model, optimizer))
         if change:  # DCP would load the state by parameter name into whatever groups and rule this optimizer has
             raise ValueError(f"{path}: {change}; build the optimizer as the saved run did, or load the model "

@@ -5,7 +5,7 @@ Three mechanisms, tried in this order, each recorded in the returned report:
 2. ``nn.Sequential`` pairs (torchvision classifier heads, plain MLPs);
 3. a ``torch.fx`` rewrite of models that ``symbolic_trace`` can trace faithfully (not a forward that
    reads train/eval mode, switches grad mode or autocast, tests an argument (``mask is None``), reads a
-   global value or assigns to the model's state: the graph would freeze or drop those).
+   global tensor or object or assigns to the model's state: the graph would freeze or drop those).
 ``fuse_relu_matmul`` is the graph rewrite behind (3) and behind ``fused_backend``, which does the
 same for any model ``torch.compile`` captures.
 
@@ -16,9 +16,12 @@ error (from ``filter_fn``, say) leaves the model as it was.
 """
 import ast
 import contextlib
+import dis
+import enum
 import functools
 import inspect
 import operator
+import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -219,28 +222,60 @@ def _plan_hf_blocks(model, filter_fn, report) -> List[_Swap]:
     return swaps
 
 
+# What a parent may do with its Sequential besides calling it: what holds for a fused layer as for the Linear it
+# replaced (its parameters, moves, modes; apply(init): a fused layer is an nn.Linear).
+_WHOLE_MODULE_USES = frozenset({"parameters", "named_parameters", "buffers", "named_buffers", "apply", "to", "cuda",
+                                "cpu", "train", "eval", "training", "requires_grad_", "zero_grad", "state_dict",
+                                "load_state_dict", "float", "half", "double", "bfloat16", "type"})
+
+
+def _reaching_use(method: ast.AST, me: str, key: str) -> bool:
+    """Whether ``method`` uses ``me.key`` (its Sequential) other than by calling it or by a whole-module use: an
+    index, an iteration, an alias, an argument (``len`` aside)."""
+    parents = {id(child): node for node in ast.walk(method) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(method):
+        named = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                 and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == me
+                 and isinstance(node.args[1], ast.Constant) and node.args[1].value == key)  # getattr(self, "key")
+        if not named and not (isinstance(node, ast.Attribute) and node.attr == key and isinstance(node.value, ast.Name)
+                              and node.value.id == me and isinstance(node.ctx, ast.Load)):
+            continue
+        up = parents.get(id(node))
+        if isinstance(up, ast.Call) and up.func is node:  # self.key(x)
+            continue
+        if isinstance(up, ast.Attribute) and up.attr in _WHOLE_MODULE_USES:  # self.key.parameters()
+            continue
+        if (isinstance(up, ast.Call) and isinstance(up.func, ast.Name) and up.func.id in ("len", "isinstance")
+                and node in up.args):
+            continue
+        return True
+    return False
+
+
 def _parent_reaches_inside(parent: nn.Module, key: str) -> Optional[str]:
     """Why ``parent`` may use its Sequential ``key`` other than by calling it whole (``self.key[0](x)``,
     ``for layer in self.key``: it would meet the fused layer, ReLU included, and an Identity for the
-    ReLU); None where every use in its class's methods is a call. A Sequential or a module list holding
-    it is taken as calling it whole."""
+    ReLU); None where every use in its class's own methods is a call or a whole-module use. A Sequential or a
+    module list holding it is taken as calling it whole; torch's and transformers' methods are not read."""
     if isinstance(parent, (nn.ModuleList, nn.ModuleDict)) or (
             type(parent).forward is nn.Sequential.forward and "forward" not in vars(parent)):
         return None
-    for name, fn in inspect.getmembers(type(parent), inspect.isfunction):  # the methods it has, inherited too
-        if name == "__init__" or fn.__module__.startswith("torch."):  # __init__ ran before the patch
+    cls = type(parent)
+    for name, fn in inspect.getmembers(cls, inspect.isfunction):  # the methods it has, inherited too
+        module = getattr(fn, "__module__", None) or ""
+        if (name == "__init__" or module.startswith(("torch.", "transformers."))  # __init__ ran before the patch
+                or isinstance(inspect.getattr_static(cls, name, None), staticmethod)):
             continue
         try:
-            method = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-        except (OSError, TypeError, SyntaxError, IndexError):
-            return f"{type(parent).__name__}.{name} has no readable source to check how it uses its Sequential {key}"
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            method = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                       ast.Lambda)))
+        except Exception:  # noqa: BLE001  no source (made by exec), or none that parses alone
+            return f"{cls.__name__}.{name} has no readable source to check how it uses its Sequential {key}"
         me = method.args.args[0].arg if method.args.args else None  # "self", by convention only
-        called = {id(n.func) for n in ast.walk(method) if isinstance(n, ast.Call)}
-        for n in ast.walk(method):
-            if (isinstance(n, ast.Attribute) and n.attr == key and isinstance(n.value, ast.Name)
-                    and n.value.id == me and isinstance(n.ctx, ast.Load) and id(n) not in called):
-                return (f"{type(parent).__name__}.{name} uses {me}.{key} other than by calling it (indexed or "
-                        "iterated, it would meet the fused layer, ReLU included)")
+        if me is not None and _reaching_use(method, me, key):
+            return (f"{cls.__name__}.{name} uses {me}.{key} other than by calling it (indexed or iterated, it "
+                    "would meet the fused layer, ReLU included)")
     return None
 
 
@@ -323,11 +358,13 @@ def _modes() -> tuple:
 
 class _FaithfulTracer(torch.fx.Tracer):
     """``symbolic_trace``'s tracer, refusing forwards that switch grad mode or autocast (``no_grad``
-    blocks, say): the graph would record the ops inside without the switch. Buffers are traced as graph
-    inputs, not read as values: a forward's in-place update of a buffer (a step count, an EMA) is then
-    recorded, or refused, instead of run on the model's buffer while tracing and missing from the graph."""
+    blocks, say): the graph would record the ops inside without the switch. ``proxy_buffers``: buffers are
+    traced as graph inputs, not read as values, so that a forward's in-place update of one (an EMA) is recorded;
+    a forward that computes with a buffer's shape in Python (``min(self.pe.shape[0], n)``) needs their values."""
 
-    proxy_buffer_attributes = True
+    def __init__(self, proxy_buffers: bool = True):  # no argument: a saved GraphModule re-traced on load
+        super().__init__()
+        self.proxy_buffer_attributes = proxy_buffers
 
     def trace(self, root, concrete_args=None):
         self.modes = _modes()
@@ -347,13 +384,18 @@ def _version(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+_FX_CONSTANT = re.compile(r"_tensor_constant\d+")  # the attribute torch.fx's tracer sets for a tensor it meets
+
+
 @contextlib.contextmanager
-def _state_kept(model: nn.Module):
+def _state_kept(model: nn.Module, buffer_values: bool):
     """Tracing runs the forward's Python: what it assigns to the modules (``self.count = self.count + 1``
-    stores a tracing proxy) is put back, and the trace refused, as is a tensor it changed in place."""
+    stores a tracing proxy) is put back, and the trace refused, as is a tensor it changed in place (the values
+    of buffers traced as values, ``buffer_values``, are put back too)."""
     held = [(m, {k: dict(vars(m)[k]) for k in ("_parameters", "_buffers", "_modules")}, dict(vars(m)))
             for m in model.modules()]
     versions = {id(t): _version(t) for t in (*model.parameters(), *model.buffers())}
+    values = {id(b): b.detach().clone() for b in model.buffers()} if buffer_values else {}
     names = {id(m): n or "the model" for n, m in model.named_modules()}
     try:
         yield
@@ -367,22 +409,29 @@ def _state_kept(model: nn.Module):
                     changed.append(f"{names[id(module)]}.{moved[0]}".replace("the model.", ""))
                     now.clear()
                     now.update(table)
-            if vars(module).keys() != attributes.keys() or any(vars(module)[k] is not v for k, v in attributes.items()
-                                                              if k not in tables):
-                changed.append(names[id(module)])
-                vars(module).clear()
-                vars(module).update(attributes)
+            added = [k for k in vars(module).keys() - attributes.keys() if not _FX_CONSTANT.fullmatch(k)]
+            if added or attributes.keys() - vars(module).keys() or any(
+                    vars(module)[k] is not v for k, v in attributes.items() if k not in tables):
+                changed.append(names[id(module)] + (f".{added[0]}" if added else ""))
+            vars(module).clear()  # the tracer's own constants (tensors it met) go too: the GraphModule holds them
+            vars(module).update(attributes)
     if changed:
         raise _Unfaithful(f"forward assigns to {changed[0]}, which a torch.fx graph does not record")
-    if any(_version(t) != versions[id(t)] for t in (*model.parameters(), *model.buffers())):
-        raise _Unfaithful("forward changed a parameter or buffer in place while it was traced")
+    touched = [t for t in (*model.parameters(), *model.buffers()) if _version(t) != versions[id(t)]]
+    with torch.no_grad():
+        for t in touched:
+            if id(t) in values:
+                t.copy_(values[id(t)])
+    if touched:
+        raise _Unfaithful("forward changes a parameter or buffer in place, which a torch.fx graph that reads it as a "
+                          "value does not record")
 
 
-def _graph_module(model: nn.Module) -> torch.fx.GraphModule:
-    tracer = _FaithfulTracer()
-    with _state_kept(model):
+def _graph_module(model: nn.Module, proxy_buffers: bool) -> torch.fx.GraphModule:
+    tracer = _FaithfulTracer(proxy_buffers)
+    with _state_kept(model, buffer_values=not proxy_buffers):
         graph = tracer.trace(model)
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+        return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 @contextlib.contextmanager
@@ -409,7 +458,7 @@ def _snapshot_hazard(model: nn.Module) -> Optional[str]:
     """Why a GraphModule (a snapshot of ``forward``) could behave differently from ``model`` later: hooks,
     Python attributes or methods of the modules the trace goes through (not of the leaf modules it
     calls whole, which the GraphModule keeps), which it would drop or freeze; None where none."""
-    leaf = _FaithfulTracer().is_leaf_module
+    leaf = _FaithfulTracer(proxy_buffers=True).is_leaf_module
     for name, module in model.named_modules():
         if name and leaf(module, name):
             continue
@@ -438,19 +487,63 @@ def _source_tree(cls: type, name: str = "forward") -> Optional[ast.AST]:
         return None
 
 
+# Attributes of a module that describe its structure (its shapes, its flags), which nothing changes later: reading
+# them in a forward is safe to freeze. Any other attribute (a Dropout's p, scheduled during training) is not.
+_STRUCTURAL = frozenset({"in_features", "out_features", "in_channels", "out_channels", "kernel_size", "stride",
+                         "padding", "dilation", "groups", "padding_mode", "num_features", "normalized_shape", "eps",
+                         "affine", "elementwise_affine", "track_running_stats", "embedding_dim", "num_embeddings",
+                         "padding_idx", "embed_dim", "num_heads", "head_dim", "batch_first", "inplace"})
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict, nn.Sequential)
+
+
+def _constant(value) -> bool:
+    """Whether a value read by a forward is a constant by nature (a number, a string, a dtype, a module or class, a
+    function), safe for a graph to keep as it was when traced; a tensor, a list or an object may change later."""
+    if isinstance(value, tuple):
+        return all(_constant(v) for v in value)
+    return (value is None or value is Ellipsis or inspect.ismodule(value) or isinstance(value, type) or callable(value)
+            or isinstance(value, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device,
+                                  torch.Size, frozenset)))
+
+
+def _outside_reads(fn) -> List[str]:
+    """Names of the global and closure variables ``fn``'s code (nested code too) reads, with values that are not
+    constants (``_constant``)."""
+    if not inspect.isfunction(fn):
+        return []
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    names, codes = set(), [fn.__code__]
+    while codes:
+        code = codes.pop()
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"):
+                names.add(ins.argval)
+    out = []
+    for name in sorted(names):
+        if name in cells:
+            try:
+                value = cells[name].cell_contents
+            except ValueError:  # an empty cell
+                continue
+        elif name in fn.__globals__:
+            value = fn.__globals__[name]
+        else:
+            continue  # a builtin, or a name local to nested code
+        if not _constant(value):
+            out.append(name)
+    return out
+
+
 def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str]:
     """What the graph of ``model``'s forward fixed at one value: an argument the graph never reads (a test
-    such as ``mask is None`` ran once, while tracing) or one with a default, a global value, an attribute
-    of a module the graph calls whole, a module it does not call (read instead); None where nothing."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node in placeholders:
-        if node.args:
-            return (f"forward's argument {node.target} has a default, and a graph records the path of one "
-                    "value of it (a `mask=None` branch taken while tracing)")
-        if not node.users:
+    such as ``mask is None`` ran once, while tracing), a global tensor or object, an attribute of a module the
+    graph calls whole (not its shapes), a module it does not call (read instead); None where nothing."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and not node.users:
             return (f"forward's argument {node.target} does not reach the graph: a test on it (`is None`) "
                     "would be frozen at the traced value")
-    leaf = _FaithfulTracer().is_leaf_module
+    leaf = _FaithfulTracer(proxy_buffers=True).is_leaf_module
     kept = dict(gm.named_modules())
     for name, module in model.named_modules():
         if name and name not in kept and leaf(module, name) and not any(name.startswith(f"{k}.") for k in kept if k):
@@ -458,24 +551,22 @@ def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str
                     "GraphModule would not have it, and a value read from it would be frozen")
         if name and leaf(module, name):
             continue
-        found = inspect.getclosurevars(type(module).forward) if inspect.isfunction(type(module).forward) else None
-        if found is not None:
-            values = {**found.nonlocals, **found.globals}
-            plain = sorted(k for k, v in values.items()
-                           if not (inspect.ismodule(v) or isinstance(v, type) or callable(v)))
-            if plain:
-                return (f"{name or 'the model'}'s forward reads {', '.join(plain)} from outside the model, which "
-                        "a torch.fx graph would freeze (a later change would no longer take effect)")
+        where = name or "the model"
+        outside = _outside_reads(type(module).forward)
+        if outside:
+            return (f"{where}'s forward reads {', '.join(outside)} from outside the model, which a torch.fx graph "
+                    "would freeze (a later change would no longer take effect)")
         tree = _source_tree(type(module))
-        children = {k: c for k, c in module.named_children() if leaf(c, f"{name}.{k}" if name else k)}
+        children = {k: c for k, c in module.named_children()
+                    if leaf(c, f"{name}.{k}" if name else k) and not isinstance(c, _CONTAINERS)}
         for node in ast.walk(tree) if tree is not None else ():
             inner = node.value if isinstance(node, ast.Attribute) else None
             if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "self"
                     and inner.attr in children):
                 child = children[inner.attr]
-                if node.attr not in (*child._parameters, *child._buffers, *child._modules):
-                    return (f"{name or 'the model'}'s forward reads {inner.attr}.{node.attr}, which a torch.fx "
-                            "graph would freeze (a later change would no longer take effect)")
+                if node.attr not in (*child._parameters, *child._buffers, *child._modules, *_STRUCTURAL):
+                    return (f"{where}'s forward reads {inner.attr}.{node.attr}, which a torch.fx graph would freeze "
+                            "(a later change would no longer take effect)")
     return None
 
 
@@ -485,15 +576,19 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
     Traced again in train mode with grad on and autocast off, and in eval mode with grad off and
     autocast on: a forward that reads these modes traces differently, and one that switches them
     (``no_grad``, ``autocast(enabled=False)``) is refused by the tracer in one of the traces."""
-    gm = _graph_module(model)
+    try:  # buffers as graph inputs first; as values where the forward needs them (their shapes, in Python)
+        proxy_buffers, gm = True, _graph_module(model, proxy_buffers=True)
+    except _Unfaithful:
+        raise
+    except Exception:  # noqa: BLE001  a TraceError, say: the next trace raises its own if it fails too
+        proxy_buffers, gm = False, _graph_module(model, proxy_buffers=False)
     for training, grad in ((True, True), (False, False)):
         with _modes_set(model, training, grad, autocast=not grad):
-            if _graph_module(model).code != gm.code:
+            if _graph_module(model, proxy_buffers).code != gm.code:
                 raise _Unfaithful("forward depends on train/eval mode, grad mode or autocast, "
                                   "which a torch.fx graph would freeze")
     gm.training = model.training
     return gm
-
 
 
 def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:

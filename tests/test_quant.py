@@ -685,6 +685,14 @@ def test_unknown_config_and_bad_scales_raise():
         Int8StaticActivationInt8WeightConfig({"fc": 1.0}).act_scales["fc"] = 2.0
 
 
+def test_a_quantized_layer_names_itself_for_an_input_of_another_width():
+    # The GEMM's own error named its operands ("b has shape (13, 7)": the transposed weight).
+    for layer in (Int8Linear.from_float(nn.Linear(13, 7)), Float8Linear.from_float(nn.Linear(13, 7))):
+        with pytest.raises(ValueError, match=_escaped(f"{type(layer).__name__}(in_features=13) got an input of "
+                                                      "shape (3, 12)")):
+            layer(torch.randn(3, 12))
+
+
 @pytest.mark.parametrize("config", ["int8-dynamic", "int8-static"])
 def test_int8_state_dict_is_3_9x_smaller(config):
     # Linear-dominated: 2 x (512 x 512) weights. fp32: 4 bytes a weight; int8: 1, plus a 4-byte scale

@@ -82,6 +82,13 @@ class _QuantizedLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def _check_width(self, x: torch.Tensor) -> None:
+        """ValueError naming this layer for an input whose last size is not ``in_features`` (the GEMM's own
+        error names its operands: the transposed weight, which the caller never sees)."""
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}(in_features={self.in_features}) got an input of shape "
+                             f"{tuple(x.shape)}")
+
     @staticmethod
     def _inference_only(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, whose backward raises where ``x`` wants a gradient (rounding has none: the layers
@@ -135,6 +142,7 @@ class Int8Linear(_QuantizedLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x)
         out_dtype = _output_dtype(x)
         if self.act_scale is None:
             xq, x_scale = quantize_int8_rowwise(x)
@@ -160,6 +168,7 @@ class Float8Linear(_QuantizedLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x)
         out_dtype = _output_dtype(x)
         xq, x_scale = quantize_fp8_rowwise(x)
         y = fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)

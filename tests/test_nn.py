@@ -1,5 +1,6 @@
 """fuselab.nn: FusedLinearReLU, fuse_linear_relu (Sequential, torch.fx, Hugging Face), fused_backend."""
 import copy
+import math
 from collections import OrderedDict
 
 import pytest
@@ -722,6 +723,39 @@ class _CallsAndReadsLeaf(_ReadsLeafAttribute):
         return self.drop(F.relu(self.fc(x))) * (1 - self.drop.p)
 
 
+RATE = 0.5  # a number a training loop could rebind: a graph would keep 0.5
+
+
+class _ReadsGlobalNumber(_OptionalMask):
+    def forward(self, x):
+        return F.relu(self.fc(x)) * RATE
+
+
+class _MakesATensor(_OptionalMask):
+    def forward(self, x):
+        return F.relu(self.fc(x)) * torch.tensor(0.5)  # a frozen constant, and a state-dict entry of the graph's
+
+
+class _MasksWhenGiven(_OptionalMask):
+    def forward(self, x, mask=None):
+        h = F.relu(self.fc(x))
+        if mask is not None:  # traced with a proxy: the masked path, which a call without a mask cannot take
+            h = h.masked_fill(mask, 0.0)
+        return h
+
+
+class _BranchesOnABuffer(_UpdatesEma):
+    def forward(self, x):
+        if self.ema.abs().sum() > 0:  # a decision on the buffer's value, frozen if it were traced as a value
+            x = x / self.ema
+        return F.relu(self.fc(x))
+
+
+class _Checkpointed(_OptionalMask):
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda h: F.relu(self.fc(h)), x, use_reentrant=False)
+
+
 class _ReadsLeafByName(_ReadsLeafAttribute):
     def forward(self, x):
         return F.relu(self.fc(x)) * (1 - getattr(self, "drop").p)
@@ -731,7 +765,9 @@ class _ReadsLeafByName(_ReadsLeafAttribute):
     (_Counts, "assigns to ema"), (_OptionalMask, "argument mask does not reach the graph"),
     (_IgnoresArgument, "argument mask does not reach the graph"), (_ReadsGlobal, "reads SCALE from outside"),
     (_ReadsLeafAttribute, "reads drop.p"), (_CallsAndReadsLeaf, "reads drop.p"),
-    (_ReadsLeafByName, "reads module drop without calling it"),
+    (_ReadsLeafByName, "reads module drop without calling it"), (_ReadsGlobalNumber, "reads RATE from outside"),
+    (_MakesATensor, "makes or reads a tensor outside the model"), (_MasksWhenGiven, "defaults to None"),
+    (_BranchesOnABuffer, "not traceable"), (_Checkpointed, "saved-tensor hooks"),
 ])
 def test_the_fx_path_refuses_what_a_graph_would_freeze_and_leaves_the_model_as_it_was(cls, words):
     # Each of these was patched (or its buffer changed while tracing) and then computed something else: the
@@ -746,7 +782,7 @@ def test_the_fx_path_refuses_what_a_graph_would_freeze_and_leaves_the_model_as_i
         assert type(value) is torch.Tensor and torch.equal(value, state[key]), key
 
 
-EPS, device = 1e-6, torch.device("cpu")  # module constants, and a global whose name is an attribute's too
+device = torch.device("cpu")  # a global named like the attribute a forward reads (x.device): no global read
 
 
 class _ReadsConstants(nn.Module):
@@ -755,11 +791,9 @@ class _ReadsConstants(nn.Module):
         self.fc, self.heads = nn.Linear(8, 8), nn.ModuleDict({"a": nn.Linear(8, 2)})
         self.register_buffer("table", torch.zeros(16, 8))
 
-    def forward(self, x, scale=1.0):  # a default the graph uses as a value
-        h = F.relu(self.fc(x)) * scale + EPS
-        if self.table.shape[0] >= 8:  # the buffer's shape, in Python: traced with the buffer's value
-            h = h + F.linear(h, self.table).sum(-1, keepdim=True)
-        h = h.to(x.device)
+    def forward(self, x, scale=1.0):  # a number's default, which the graph reads as a value
+        h = F.relu(self.fc(x)) * scale + math.pi
+        h = (h + self.table[: x.shape[0]]).to(x.device)  # a buffer sliced by the input's size: in the graph
         return sum(head(h) for _, head in self.heads.items()) * self.fc.out_features
 
 

@@ -4,8 +4,9 @@ Three mechanisms, tried in this order, each recorded in the returned report:
 1. Hugging Face feed-forward blocks, through small per-architecture adapters (no source edits);
 2. ``nn.Sequential`` pairs (torchvision classifier heads, plain MLPs);
 3. a ``torch.fx`` rewrite of models that ``symbolic_trace`` can trace faithfully (not a forward that
-   reads train/eval mode, switches grad mode or autocast, tests an argument (``mask is None``), reads a
-   global tensor or object or assigns to the model's state: the graph would freeze or drop those).
+   reads train/eval mode, switches grad mode, autocast or saved-tensor hooks, tests an argument
+   (``mask is None``), reads a global number, tensor or object, or assigns to the model's state: the graph
+   would freeze or drop those).
 ``fuse_relu_matmul`` is the graph rewrite behind (3) and behind ``fused_backend``, which does the
 same for any model ``torch.compile`` captures.
 
@@ -261,7 +262,14 @@ def _parent_reaches_inside(parent: nn.Module, key: str) -> Optional[str]:
             type(parent).forward is nn.Sequential.forward and "forward" not in vars(parent)):
         return None
     cls = type(parent)
-    for name, fn in inspect.getmembers(cls, inspect.isfunction):  # the methods it has, inherited too
+    members = inspect.getmembers(cls, inspect.isfunction)  # the methods it has, inherited too; its properties'
+    for klass in cls.__mro__:
+        for name, attr in vars(klass).items():
+            if isinstance(attr, property):
+                members += [(name, f) for f in (attr.fget, attr.fset, attr.fdel) if f is not None]
+            elif isinstance(attr, functools.cached_property):
+                members.append((name, attr.func))
+    for name, fn in members:
         module = getattr(fn, "__module__", None) or ""
         if (name == "__init__" or module.startswith(("torch.", "transformers."))  # __init__ ran before the patch
                 or isinstance(inspect.getattr_static(cls, name, None), staticmethod)):
@@ -352,19 +360,20 @@ class _Unfaithful(Exception):
 
 
 def _modes() -> tuple:
+    # saved-tensor hooks: activation checkpointing (torch.utils.checkpoint), save_on_cpu
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+            torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+            torch._C._autograd._top_saved_tensors_default_hooks(True) is not None)
 
 
 class _FaithfulTracer(torch.fx.Tracer):
-    """``symbolic_trace``'s tracer, refusing forwards that switch grad mode or autocast (``no_grad``
-    blocks, say): the graph would record the ops inside without the switch. ``proxy_buffers``: buffers are
-    traced as graph inputs, not read as values, so that a forward's in-place update of one (an EMA) is recorded;
-    a forward that computes with a buffer's shape in Python (``min(self.pe.shape[0], n)``) needs their values."""
+    """``symbolic_trace``'s tracer, refusing forwards that switch grad mode, autocast or saved-tensor hooks
+    (``no_grad`` blocks, activation checkpointing): the graph would record the ops inside without the switch.
+    Buffers are traced as graph inputs, not read as values: a forward's in-place update of one (an EMA) is
+    recorded, and a Python decision on a buffer's value (``if self.scale.sum() > 0``) is refused by the
+    tracer instead of frozen."""
 
-    def __init__(self, proxy_buffers: bool = True):  # no argument: a saved GraphModule re-traced on load
-        super().__init__()
-        self.proxy_buffer_attributes = proxy_buffers
+    proxy_buffer_attributes = True
 
     def trace(self, root, concrete_args=None):
         self.modes = _modes()
@@ -372,7 +381,8 @@ class _FaithfulTracer(torch.fx.Tracer):
 
     def create_node(self, *args, **kwargs):
         if _modes() != self.modes:
-            raise _Unfaithful("forward switches grad mode or autocast, which a torch.fx graph does not record")
+            raise _Unfaithful("forward switches grad mode, autocast or saved-tensor hooks (activation checkpointing), "
+                              "which a torch.fx graph does not record")
         return super().create_node(*args, **kwargs)
 
 
@@ -388,14 +398,12 @@ _FX_CONSTANT = re.compile(r"_tensor_constant\d+")  # the attribute torch.fx's tr
 
 
 @contextlib.contextmanager
-def _state_kept(model: nn.Module, buffer_values: bool):
+def _state_kept(model: nn.Module):
     """Tracing runs the forward's Python: what it assigns to the modules (``self.count = self.count + 1``
-    stores a tracing proxy) is put back, and the trace refused, as is a tensor it changed in place (the values
-    of buffers traced as values, ``buffer_values``, are put back too)."""
+    stores a tracing proxy) is put back, and the trace refused, as is a tensor it changed in place."""
     held = [(m, {k: dict(vars(m)[k]) for k in ("_parameters", "_buffers", "_modules")}, dict(vars(m)))
             for m in model.modules()]
     versions = {id(t): _version(t) for t in (*model.parameters(), *model.buffers())}
-    values = {id(b): b.detach().clone() for b in model.buffers()} if buffer_values else {}
     names = {id(m): n or "the model" for n, m in model.named_modules()}
     try:
         yield
@@ -417,19 +425,13 @@ def _state_kept(model: nn.Module, buffer_values: bool):
             vars(module).update(attributes)
     if changed:
         raise _Unfaithful(f"forward assigns to {changed[0]}, which a torch.fx graph does not record")
-    touched = [t for t in (*model.parameters(), *model.buffers()) if _version(t) != versions[id(t)]]
-    with torch.no_grad():
-        for t in touched:
-            if id(t) in values:
-                t.copy_(values[id(t)])
-    if touched:
-        raise _Unfaithful("forward changes a parameter or buffer in place, which a torch.fx graph that reads it as a "
-                          "value does not record")
+    if any(_version(t) != versions[id(t)] for t in (*model.parameters(), *model.buffers())):
+        raise _Unfaithful("forward changed a parameter or buffer in place while it was traced")
 
 
-def _graph_module(model: nn.Module, proxy_buffers: bool) -> torch.fx.GraphModule:
-    tracer = _FaithfulTracer(proxy_buffers)
-    with _state_kept(model, buffer_values=not proxy_buffers):
+def _graph_module(model: nn.Module) -> torch.fx.GraphModule:
+    tracer = _FaithfulTracer()
+    with _state_kept(model):
         graph = tracer.trace(model)
         return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
@@ -458,7 +460,7 @@ def _snapshot_hazard(model: nn.Module) -> Optional[str]:
     """Why a GraphModule (a snapshot of ``forward``) could behave differently from ``model`` later: hooks,
     Python attributes or methods of the modules the trace goes through (not of the leaf modules it
     calls whole, which the GraphModule keeps), which it would drop or freeze; None where none."""
-    leaf = _FaithfulTracer(proxy_buffers=True).is_leaf_module
+    leaf = _FaithfulTracer().is_leaf_module
     for name, module in model.named_modules():
         if name and leaf(module, name):
             continue
@@ -497,18 +499,16 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict,
 
 
 def _constant(value) -> bool:
-    """Whether a value read by a forward is a constant by nature (a number, a string, a dtype, a module or class, a
-    function), safe for a graph to keep as it was when traced; a tensor, a list or an object may change later."""
-    if isinstance(value, tuple):
-        return all(_constant(v) for v in value)
-    return (value is None or value is Ellipsis or inspect.ismodule(value) or isinstance(value, type) or callable(value)
-            or isinstance(value, (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device,
-                                  torch.Size, frozenset)))
+    """Whether a global a forward reads names code, not data (a module, a class, a function, a dtype), safe for a
+    graph to keep as it was when traced; a number, a tensor or an object may be rebound later (a rate a training
+    loop schedules), and the graph would keep the old value."""
+    return (value is None or inspect.ismodule(value) or isinstance(value, (type, torch.dtype, enum.Enum))
+            or inspect.isfunction(value) or inspect.isbuiltin(value) or isinstance(value, torch._ops.OpOverloadPacket))
 
 
 def _outside_reads(fn) -> List[str]:
-    """Names of the global and closure variables ``fn``'s code (nested code too) reads, with values that are not
-    constants (``_constant``)."""
+    """Names of the global and closure variables ``fn``'s code (nested code too) reads, with values that are data,
+    not code (``_constant``)."""
     if not inspect.isfunction(fn):
         return []
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
@@ -537,13 +537,17 @@ def _outside_reads(fn) -> List[str]:
 
 def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str]:
     """What the graph of ``model``'s forward fixed at one value: an argument the graph never reads (a test
-    such as ``mask is None`` ran once, while tracing), a global tensor or object, an attribute of a module the
-    graph calls whole (not its shapes), a module it does not call (read instead); None where nothing."""
+    such as ``mask is None`` ran once, while tracing) or one defaulting to None, a tensor met outside the
+    model, a global that is data (a number, a tensor, an object), an attribute of a module the graph calls
+    whole (not its shapes), a module it does not call (read instead); None where nothing."""
     for node in gm.graph.nodes:
         if node.op == "placeholder" and not node.users:
             return (f"forward's argument {node.target} does not reach the graph: a test on it (`is None`) "
                     "would be frozen at the traced value")
-    leaf = _FaithfulTracer(proxy_buffers=True).is_leaf_module
+        if node.op == "placeholder" and node.args and not isinstance(node.args[0], (bool, int, float, str)):
+            return (f"forward's argument {node.target} defaults to {node.args[0]!r}: the graph records the path "
+                    "of a value passed (`mask is not None`), which a call without it would not take")
+    leaf = _FaithfulTracer().is_leaf_module
     kept = dict(gm.named_modules())
     for name, module in model.named_modules():
         if name and name not in kept and leaf(module, name) and not any(name.startswith(f"{k}.") for k in kept if k):
@@ -552,9 +556,11 @@ def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str
         if name and leaf(module, name):
             continue
         where = name or "the model"
-        outside = _outside_reads(type(module).forward)
+        methods = [fn for _, fn in inspect.getmembers(type(module), inspect.isfunction)  # forward and its helpers
+                   if not (getattr(fn, "__module__", None) or "").startswith("torch.")]
+        outside = sorted({name for fn in methods for name in _outside_reads(fn)})
         if outside:
-            return (f"{where}'s forward reads {', '.join(outside)} from outside the model, which a torch.fx graph "
+            return (f"{where}'s code reads {', '.join(outside)} from outside the model, which a torch.fx graph "
                     "would freeze (a later change would no longer take effect)")
         tree = _source_tree(type(module))
         children = {k: c for k, c in module.named_children()
@@ -567,6 +573,9 @@ def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str
                 if node.attr not in (*child._parameters, *child._buffers, *child._modules, *_STRUCTURAL):
                     return (f"{where}'s forward reads {inner.attr}.{node.attr}, which a torch.fx graph would freeze "
                             "(a later change would no longer take effect)")
+    if any(node.op == "get_attr" and _FX_CONSTANT.fullmatch(node.target) for node in gm.graph.nodes):
+        return ("the forward makes or reads a tensor outside the model (a global, `torch.tensor(...)`): a torch.fx "
+                "graph keeps it as a frozen constant, and in its state dict")
     return None
 
 
@@ -576,15 +585,10 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
     Traced again in train mode with grad on and autocast off, and in eval mode with grad off and
     autocast on: a forward that reads these modes traces differently, and one that switches them
     (``no_grad``, ``autocast(enabled=False)``) is refused by the tracer in one of the traces."""
-    try:  # buffers as graph inputs first; as values where the forward needs them (their shapes, in Python)
-        proxy_buffers, gm = True, _graph_module(model, proxy_buffers=True)
-    except _Unfaithful:
-        raise
-    except Exception:  # noqa: BLE001  a TraceError, say: the next trace raises its own if it fails too
-        proxy_buffers, gm = False, _graph_module(model, proxy_buffers=False)
+    gm = _graph_module(model)
     for training, grad in ((True, True), (False, False)):
         with _modes_set(model, training, grad, autocast=not grad):
-            if _graph_module(model, proxy_buffers).code != gm.code:
+            if _graph_module(model).code != gm.code:
                 raise _Unfaithful("forward depends on train/eval mode, grad mode or autocast, "
                                   "which a torch.fx graph would freeze")
     gm.training = model.training

@@ -265,7 +265,8 @@ def train(args, rt):
         accuracies.append((epoch + 1, acc))
         log.info("epoch %d: train loss %.4f, test accuracy %.4f, %.1f s", epoch + 1, train_loss, acc, epoch_s)
         results.record(metric="test accuracy", value=acc, epoch=epoch + 1, step=step, **keys)
-        results.record(metric="train loss", value=train_loss, epoch=epoch + 1, step=step, **keys)
+        part = {"from_sample": skip} if skip else {}  # a resumed epoch's loss is over its batches after the resume
+        results.record(metric="train loss", value=train_loss, epoch=epoch + 1, step=step, **part, **keys)
         results.record(metric="epoch s", value=epoch_s, epoch=epoch + 1, **keys)
         if done == len(batches):
             epoch, skip = epoch + 1, 0

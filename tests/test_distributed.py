@@ -291,6 +291,8 @@ def test_train_ddp_script(tmp_path):
         train_ddp.main([*common, "--steps", "14", "--resume"])
     rows = train_ddp.main([*common, "--steps", "12", "--resume", "--out", str(tmp_path / "s.json")])
     assert {r["step"] for r in rows if r["metric"] == "test accuracy"} == {12}
+    # the resumed epoch's train loss is over its batches after sample 256 only, and says so
+    assert [r.get("from_sample") for r in rows if r["metric"] == "train loss"] == [256]
     with pytest.raises(SystemExit, match="--lr 0.1 -> 0.5"):  # it trained on at the checkpoint's rate, logging 0.5
         train_ddp.main([*common, "--steps", "12", "--resume", "--lr", "0.5"])
 
@@ -463,9 +465,10 @@ except ValueError as e:
     print("samestep", e)
 # A rollback to a step whose later checkpoint was damaged since (no .metadata): set aside, not a crash on rename
 damaged = fd.Checkpointer(sys.argv[1] + "-damaged", keep=None)
-for step in (1, 2, 3):
+for step in (1, 2, 3, 4):
     damaged.save(step, model)
-(damaged.dir / "step_00000003" / ".metadata").unlink()
+for step in (3, 4):
+    (damaged.dir / f"step_0000000{step}" / ".metadata").unlink()
 damaged.load(model)
 damaged.save(3, model)
 print("damaged", " ".join(sorted(p.name for p in damaged.dir.iterdir())))
@@ -574,6 +577,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert "2 parameter group(s) of 2, 2 parameters, this one 1 of 4" in lines["regrouped"], lines
     assert "optimizer is torch.optim.adam.Adam, this one torch.optim.adamw.AdamW" in lines["reclassed"], lines
     assert lines["samegroups"] == "loaded", lines
-    assert lines["damaged"] == "abandoned-step_00000003 step_00000001 step_00000002 step_00000003", lines
+    assert lines["damaged"] == ("abandoned-step_00000003 abandoned-step_00000004 step_00000001 step_00000002 "
+                                "step_00000003"), lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines

@@ -376,9 +376,9 @@ class Checkpointer:
             old = final.with_name(f"{TMP}old-{final.name}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-        later = [(n, path) for n, path in self.checkpoints() if n > step]
-        if final.exists():  # a rollback's old line holds this step (complete, or damaged: no .metadata)
-            later.insert(0, (step, final))
+        # the old line's checkpoints from this step on, complete or damaged (no .metadata)
+        steps = ((path, path.name[len(PREFIX):]) for path in self.dir.glob(f"{PREFIX}*") if path.is_dir())
+        later = sorted((int(n), path) for path, n in steps if n.isdigit() and int(n) >= step)
         for n, path in later:  # a run resumed from an earlier checkpoint: the later ones are another line now
             aside, again = path.with_name(f"{ABANDONED}{path.name}"), 1
             while aside.exists():  # abandoned before, by another rollback

@@ -433,7 +433,7 @@ def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int)
     micro-batches of ``--batch``."""
     count = args.val_batches * global_batch
     share = range(rt.rank * count // rt.world_size, (rt.rank + 1) * count // rt.world_size)
-    total = torch.zeros((), dtype=torch.float64)
+    total = 0.0
     model.eval()
     try:
         for start in range(share.start, share.stop, args.batch):
@@ -441,7 +441,7 @@ def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int)
             total += forward_loss(rows[:, :-1], rows[:, 1:]).item() * len(rows)  # the loss is a mean over rows
     finally:
         model.train()
-    return fd.all_reduce(total.item(), "sum") / count
+    return fd.all_reduce(total, "sum") / count
 
 
 def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch,

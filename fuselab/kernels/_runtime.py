@@ -72,16 +72,11 @@ _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | tor
     torch._C.DispatchKey.AutocastCUDA)
 
 
-def without_autocast(fn: Callable) -> Callable:
-    """``fn`` (an op body) with autocast excluded, as the registered op runs it: for eager paths that call
-    the bodies without the dispatcher."""
-
-    @functools.wraps(fn)
-    def run(*args):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
-            return fn(*args)
-
-    return run
+def autocast_excluded():
+    """A context in which no autocast casts: an op body's PyTorch kernels run in the inputs' dtypes there (the
+    registered op enters it for every body; the eager paths that call bodies directly, where they run PyTorch's
+    kernels)."""
+    return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
 
 
 def _autocast_off(op, device: str) -> None:
@@ -89,7 +84,7 @@ def _autocast_off(op, device: str) -> None:
     (``torch.library.register_autocast`` would cast the inputs to one fixed dtype)."""
 
     def kernel(_keyset, *args):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+        with autocast_excluded():
             return op._opoverload(*args)
 
     op._lib.impl(op._name, kernel, "Autocast" + torch._C._dispatch_key_for_device(device), with_keyset=True)

@@ -32,6 +32,7 @@ from fuselab.kernels._runtime import (
     INTERPRET,
     SUPPORTED_DTYPES,
     ExecutionPath,
+    autocast_excluded,
     backward_by_torch_needed,
     beyond_custom_ops,
     check_same_device,
@@ -47,7 +48,6 @@ from fuselab.kernels._runtime import (
     refuse_forward_ad,
     register_op,
     untraced,
-    without_autocast,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -416,7 +416,8 @@ def _unviewed(t: torch.Tensor) -> torch.Tensor:
 def _forward(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     refuse_forward_ad("matmul_relu", "fuselab.kernels.matmul_relu or linear_relu")
     if not _runs_triton(a):
-        return _unviewed(_torch_forward(a, b, bias))
+        with autocast_excluded():  # this body's own (the eager Function calls it without the dispatcher)
+            return _unviewed(_torch_forward(a, b, bias))
     y = _forward_fake(a, b, bias)
     _gemm(_rows(a), b, _rows(y), bias=bias, relu=True)
     return y
@@ -432,7 +433,8 @@ def _grad_a(grad: torch.Tensor, y: Optional[torch.Tensor], b: torch.Tensor) -> t
     g2 = _rows(grad)
     y2 = None if y is None else _rows(y)
     if not _runs_triton(grad):
-        return _unviewed((_relu_grad(g2, y2) @ b.t()).view(*grad.shape[:-1], b.shape[0]))
+        with autocast_excluded():
+            return _unviewed((_relu_grad(g2, y2) @ b.t()).view(*grad.shape[:-1], b.shape[0]))
     out = _grad_a_fake(grad, y, b)
     _gemm(g2, b.t(), _rows(out), y=y2)
     return out
@@ -456,7 +458,8 @@ def _grad_b(grad: torch.Tensor, y: Optional[torch.Tensor], a: torch.Tensor,
     if _runs_triton(grad):
         _gemm(a2.t(), g, grad_b)
     else:
-        grad_b.copy_(a2.t() @ g)
+        with autocast_excluded():
+            grad_b.copy_(a2.t() @ g)
     grad_bias.copy_(g.sum(0, dtype=torch.float32))
     return grad_b, grad_bias
 
@@ -513,14 +516,11 @@ class _EagerMatmulReLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, bias):  # ctx-style: a separate setup_context makes apply() inspect signatures
-        y = _eager_forward(a, b, bias)
+        y = _forward(a, b, bias)
         _setup_context(ctx, (a, b, bias), y)
         return y
 
-    backward = staticmethod(_backward_using(without_autocast(_grad_a), without_autocast(_grad_b)))
-
-
-_eager_forward = without_autocast(_forward)
+    backward = staticmethod(_backward_using(_grad_a, _grad_b))
 
 
 # ----------------------------------------------------------------------------------------------

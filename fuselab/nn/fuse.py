@@ -54,14 +54,22 @@ HF_ADAPTERS: Dict[str, Tuple[str, str]] = {
 }
 
 
+def _source_tree(fn) -> Optional[ast.AST]:
+    """The syntax tree of function ``fn``'s source; None where there is none (made by exec, a builtin) or it
+    does not parse alone."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _adapter_matches(cls: type, lin: str, act: str) -> bool:
     """Whether ``cls.forward`` calls ``self.<lin>`` and ``self.<act>`` once each, as ``act(lin(x))``
     or as ``h = self.<lin>(...)`` directly followed by ``h = self.<act>(h)``: a transformers
     release that reshapes the block is then left alone instead of being patched wrongly."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
+    tree = _source_tree(cls.forward)
+    if tree is None:
         return False
 
     def call_of(node, attr):
@@ -274,11 +282,10 @@ def _parent_reaches_inside(parent: nn.Module, key: str) -> Optional[str]:
         if (name == "__init__" or module.startswith(("torch.", "transformers."))  # __init__ ran before the patch
                 or isinstance(inspect.getattr_static(cls, name, None), staticmethod)):
             continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-            method = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                       ast.Lambda)))
-        except Exception:  # noqa: BLE001  no source (made by exec), or none that parses alone
+        tree = _source_tree(fn)  # a lambda in the class body: its assignment's line
+        method = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                   ast.Lambda))), None) if tree else None
+        if method is None:
             return f"{cls.__name__}.{name} has no readable source to check how it uses its Sequential {key}"
         me = method.args.args[0].arg if method.args.args else None  # "self", by convention only
         if me is not None and _reaching_use(method, me, key):
@@ -482,13 +489,6 @@ def _snapshot_hazard(model: nn.Module) -> Optional[str]:
     return None
 
 
-def _source_tree(cls: type, name: str = "forward") -> Optional[ast.AST]:
-    try:
-        return ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, name))))
-    except (OSError, TypeError, SyntaxError):
-        return None
-
-
 # Attributes of a module that describe its structure (its shapes, its flags), which nothing changes later: reading
 # them in a forward is safe to freeze. Any other attribute (a Dropout's p, scheduled during training) is not.
 _STRUCTURAL = frozenset({"in_features", "out_features", "in_channels", "out_channels", "kernel_size", "stride",
@@ -562,7 +562,7 @@ def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str
         if outside:
             return (f"{where}'s code reads {', '.join(outside)} from outside the model, which a torch.fx graph "
                     "would freeze (a later change would no longer take effect)")
-        tree = _source_tree(type(module))
+        tree = _source_tree(type(module).forward)
         children = {k: c for k, c in module.named_children()
                     if leaf(c, f"{name}.{k}" if name else k) and not isinstance(c, _CONTAINERS)}
         for node in ast.walk(tree) if tree is not None else ():

@@ -174,8 +174,31 @@ def group_sparse_adamw():
             yield f"{launch.tuner.fn.__name__} {dtype} dim={dim}", launch, launch.config, {}
 
 
+def group_distill():
+    """The distillation loss's two kernels: soft and hard terms alone and together, 16- and 32-bit logits, a
+    vocabulary's row and short ones."""
+    from fuselab.quant import fused_distill as FD
+
+    real = FD._check_runs_triton
+    FD._check_runs_triton = lambda student: None  # recorded, never run: CPU tensors stand in for CUDA ones
+    try:
+        for dtype, c, alpha in ((torch.bfloat16, 50304, 0.5), (torch.float32, 10, 1.0), (torch.float16, 37, 0.0)):
+            s, t = torch.empty(8, c, dtype=dtype), torch.empty(8, c, dtype=dtype)
+            y = torch.zeros(8, dtype=torch.int64)
+
+            def both():
+                _, stats = FD._loss(s, t, y, 2.0, alpha)
+                FD._grad(s, t, y, stats, torch.ones(()), 2.0, alpha, True, True)
+
+            for launch in record_plain(FD, both):
+                yield f"{launch.tuner.fn.__name__} {dtype} C={c} alpha={alpha}", launch, launch.config, {}
+    finally:
+        FD._check_runs_triton = real
+
+
 GROUPS = {"gemm-fwd": group_gemm_fwd, "gemm-tma": group_gemm_tma, "gemm-variants": group_gemm_variants,
-          "quant": group_quant, "rowwise": group_rowwise, "sparse-adamw": group_sparse_adamw}
+          "quant": group_quant, "rowwise": group_rowwise, "sparse-adamw": group_sparse_adamw,
+          "distill": group_distill}
 
 
 def main(names) -> int:

@@ -249,3 +249,24 @@ def test_the_functional_loss_checks_like_the_module_on_every_path(device):
     s, t = torch.randn(4, 5, device=device), torch.randn(4, 5, device=device)
     with pytest.raises(ValueError, match="temperature must be a positive finite"):
         torch.ops.fuselab.distillation_loss(s, t, y, -1.0, 0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+def test_a_row_the_teacher_masks_whole_adds_nothing(device, fused):
+    # A padding position masked by -inf teacher logits in every class: the loss was NaN on both paths, and the
+    # fused path's student gradient NaN too. The row adds nothing to the soft term (and still counts in N).
+    torch.manual_seed(0)
+    s, t = logits(4, 10, device, masked=False)
+    t[2] = float("-inf")
+    y = torch.randint(0, 10, (4,), device=device)
+    y[2] = -100
+    s1, t1 = s.clone().requires_grad_(), t.clone().requires_grad_()
+    loss = DistillationLoss(2.0, 1.0, fused=fused)(s1, t1, y)
+    loss.backward()
+    alive = torch.tensor([0, 1, 3], device=device)
+    want = DistillationLoss(2.0, 1.0)(s[alive].double(), t[alive].double(), y[alive]) * 3 / 4
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+    assert s1.grad.isfinite().all() and not s1.grad[2].any() and not t1.grad[2].any()
+    mixed = DistillationLoss(2.0, 0.5, fused=fused)(s, t, y)  # with the hard term: the other rows' labels
+    torch.testing.assert_close(mixed.double(), DistillationLoss(2.0, 0.5)(s.double(), t.double(), y))

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "compile_for_hopper.py"
 # Two shares of about equal compile time.
-SHARES = [["gemm-fwd", "gemm-tma", "gemm-variants", "rowwise", "sparse-adamw"], ["quant"]]
+SHARES = [["gemm-fwd", "gemm-tma", "gemm-variants", "rowwise", "sparse-adamw", "distill"], ["quant"]]
 
 
 @pytest.mark.slow

@@ -35,7 +35,8 @@ class DistillationLoss(nn.Module):
     ``student_logits`` and ``teacher_logits`` are (N, C) floating tensors of one shape, ``target``
     (N,) class indices in [0, C) (-100, cross-entropy's ignore_index, drops a row from the hard term
     only: the soft term has no target; a batch with no label at all has a hard term of 0, not NaN).
-    A teacher logit of -inf (a masked class) adds nothing to the soft term. The math runs in fp32
+    A teacher logit of -inf (a masked class) adds nothing to the soft term, nor does a row of them only (a
+    padding position; it still counts in the mean over N rows). The math runs in fp32
     (float64 inputs stay float64), with autocast off, whatever the logits' dtype. Gradients flow to
     both logits; compute the teacher's under ``torch.no_grad()`` to train the student alone.
 
@@ -84,12 +85,15 @@ def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.
     T = temperature
     with torch.autocast(student_logits.device.type, enabled=False):
         s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
+        # a row the teacher masks whole (a padding position) adds nothing: its softmax would be 0 / 0, NaN
+        dead = (t == float("-inf")).all(dim=-1, keepdim=True)
+        t = torch.where(dead, 0.0, t)
         log_p_s = F.log_softmax(s / T, dim=-1)
         log_p_t = F.log_softmax(t / T, dim=-1)
         # KL(p_t || p_s) = sum p_t (log p_t - log p_s), summed over classes, mean over rows; a class the
         # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)
         p_t = log_p_t.exp()
-        kept = p_t > 0
+        kept = (p_t > 0) & ~dead
         kl = p_t * (torch.where(kept, log_p_t, 0.0) - torch.where(kept, log_p_s, 0.0))
         soft = kl.sum() / s.shape[0] * (T * T)
         if alpha == 1.0:  # no hard term at all: 0 * a NaN cross-entropy would be NaN

@@ -21,9 +21,10 @@ m_t - m_s still cancel where the teacher's and student's logits sit far apart, t
 
 with p_s, p_t the softmaxes at temperature T, each exp((x / T - m) - log z), and n_labelled the rows
 whose target is not -100 (counted on the device: no host sync). A teacher logit of -inf adds nothing
-(its p_t is 0), as in the PyTorch form. With alpha < 1, a target outside [0, C) other than -100 makes
-its row's loss and student gradient NaN: checking it on the host would wait for the GPU (PyTorch's
-cross-entropy stops the process with a device-side assert). The math is fp32; float64 logits and CPU
+(its p_t is 0), and a row of them only adds nothing to the soft term, as in the PyTorch form. With
+alpha < 1, a target outside [0, C) other than -100 makes its row's loss and student gradient NaN:
+checking it on the host would wait for the GPU (PyTorch's cross-entropy stops the process with a
+device-side assert). The math is fp32; float64 logits and CPU
 tensors (without the interpreter) take the PyTorch form, and so does a backward that is itself
 differentiated, whose derivatives are then PyTorch's.
 """
@@ -97,7 +98,8 @@ def loss_rows_kernel(
         if HARD:
             m_h, z_h, _ = _online_lse(m_h, z_h, s)
     lz_s, lz_t, lz_h = tl.log(z_s), tl.log(z_t), tl.log(z_h)
-    kl = a_t / z_t - (m_t - m_s) - lz_t + lz_s
+    # a row the teacher masks whole (every logit -inf: a padding position) adds nothing, as in the PyTorch form
+    kl = tl.where(m_t == float("-inf"), 0.0, a_t / z_t - (m_t - m_s) - lz_t + lz_s)
     loss = tl.zeros((), tl.float32)
     if SOFT:
         loss += soft_w * kl
@@ -149,8 +151,8 @@ def grad_rows_kernel(
             t = tl.load(t_row + c0 + cols, mask=live, other=float("-inf")).to(tl.float32)
             log_p_t = (t * inv_T - m_t) - lz_t
             log_p_s = (s * inv_T - m_s) - lz_s
-            p_t = tl.exp(log_p_t)
-            ds += soft_g * (tl.exp(log_p_s) - p_t)
+            p_t = tl.exp(log_p_t)  # NaN in a row the teacher masks whole: its soft gradient is 0
+            ds += tl.where(m_t == float("-inf"), 0.0, soft_g * (tl.exp(log_p_s) - p_t))
             if WRITE_DT:
                 dt = tl.where(p_t > 0, soft_g * p_t * ((log_p_t - log_p_s) - kl), 0.0)
                 tl.store(dt_ptr + row * stride_dt + c0 + cols, dt.to(dt_ptr.dtype.element_ty), mask=live)

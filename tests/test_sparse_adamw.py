@@ -556,6 +556,25 @@ def test_row_ids_outside_the_parameter_stop_a_cuda_step_with_a_device_assert():
     assert result.returncode != 0 and "device-side assert" in result.stderr, result.stdout + result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_kernels_never_write_outside_the_parameter(device, monkeypatch):
+    # Whatever reaches them (the check stops such a step first; a compiler could drop a check whose result is unused):
+    # rows outside the parameter are skipped, the others updated as the rule says.
+    monkeypatch.setattr(kernel_module, "check_row_ids", lambda *args: None)
+    for repeats in (3, 40):  # segments that end in their chunk, and ones that cross chunks
+        storage = torch.zeros(12, 5, device=device)
+        state = [storage[2:6], torch.zeros(4, 5, device=device), torch.zeros(4, 5, device=device)]
+        idx = torch.tensor([1, -1, 6, 4, 2**33, 3, -7] * repeats, device=device)
+        values = torch.randn(len(idx), 5, device=device)
+        before = [t.clone() for t in state]
+        sparse_adamw_triton(*state, idx, values, HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"],
+                            torch.tensor(1.0, device=device), False)
+        assert torch.equal(storage[:2], torch.zeros(2, 5, device=device)), repeats
+        assert torch.equal(storage[6:], torch.zeros(6, 5, device=device)), repeats
+        valid = (idx >= 0) & (idx < 4)
+        check_update(before, state, idx[valid], values[valid], 1, HP, what=f"valid rows, {repeats} repeats")
+
+
 def test_a_parameter_of_no_rows_takes_its_empty_gradient():
     emb = torch.nn.Embedding(0, 3, sparse=True)
     emb.weight.grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 3), (0, 3))

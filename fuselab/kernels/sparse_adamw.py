@@ -44,9 +44,10 @@ in float64 on the device: beta arrives as two fp32 halves (hi + lo: beta to 2**-
 from repeated squaring over the bits of t (2 log2(t) roundings of 2**-53), so 1 - beta**t keeps ~1e-9
 relative accuracy even where it is small (beta2 = 0.99999, t = 1: 1e-5) before its one rounding to
 fp32; 1 - beta itself is passed from the host, not formed from an fp32 beta. A row id outside [0, rows)
-(``torch.sparse_coo_tensor`` does not check its indices by default) stops an eager step before any row is
-written (``check_row_ids``; under torch.compile the check is not made yet). float64 parameters take the
-PyTorch path (``sparse_adamw_torch``: ``coalesce()``, which waits for the host).
+(``torch.sparse_coo_tensor`` does not check its indices by default) stops the step (``check_row_ids``:
+IndexError on a CPU, a device-side assert on eager CUDA steps), and the kernels never write outside the
+parameter whatever its ids. float64 parameters take the PyTorch path (``sparse_adamw_torch``:
+``coalesce()``, which waits for the host).
 """
 import struct
 from typing import Optional
@@ -120,8 +121,8 @@ def _adamw(p_ptrs, m_ptrs, v_ptrs, g, mask, step_ptr, lr, beta1_hi, beta1_lo, on
 
 @triton.jit
 def segment_kernel(
-    ids_ptr, order_ptr, values_ptr, partial_ptr, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr,
-    nnz, n_chunks, dim, stride_g, stride_p, stride_m, stride_v,
+    ids_ptr, order_ptr, values_ptr, partial_ptr, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr, guard_ptr,
+    nnz, n_chunks, dim, n_rows, stride_g, stride_p, stride_m, stride_v,
     lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay,
     MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -157,7 +158,9 @@ def segment_kernel(
     slot = (tl.where(tail, n_chunks, 0) + c).to(tl.int64)  # heads in partial[0], tails in partial[1]
     tl.store(partial_ptr + slot[:, None] * dim + cols[None, :], g,
              mask=(head | tail)[:, None] & in_row[None, :])
-    done = ~joined & seg_end & live  # segments that start and end in this chunk
+    # segments that start and end in this chunk, of rows of the parameter (check_row_ids stops the others' step;
+    # guard_ptr, its result, is an argument so that a compiler keeps it)
+    done = ~joined & seg_end & live & (ids >= 0) & (ids < n_rows)
     rows = ids.to(tl.int64)[:, None]
     if tl.max(done.to(tl.int32), axis=0) == 1:  # no row ends here: no update to compute
         _adamw(param_ptr + rows * stride_p + cols[None, :], exp_avg_ptr + rows * stride_m + cols[None, :],
@@ -168,7 +171,7 @@ def segment_kernel(
 @triton.jit
 def crossing_kernel(
     ids_ptr, partial_ptr, param_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_ptr,
-    n_chunks, dim, stride_p, stride_m, stride_v,
+    n_chunks, dim, n_rows, stride_p, stride_m, stride_v,
     lr, beta1_hi, beta1_lo, one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay,
     MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -179,7 +182,8 @@ def crossing_kernel(
     row = tl.load(ids_ptr + last)
     first = tl.load(ids_ptr + c * CHUNK)
     joined = (first == row) & (first == tl.load(ids_ptr + c * CHUNK - 1, mask=c > 0, other=-1))
-    if (row == tl.load(ids_ptr + last + 1)) & ~joined:  # this chunk starts a segment that crosses its end
+    crosses = (row == tl.load(ids_ptr + last + 1)) & ~joined & (row >= 0) & (row < n_rows)
+    if crosses:  # this chunk starts a segment (of a row of the parameter) that crosses its end
         g = tl.load(partial_ptr + (n_chunks + c).to(tl.int64) * dim + cols, mask=in_row, other=0.0)
         k0 = c + 1
         more = k0 < n_chunks
@@ -224,7 +228,7 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
     # stable keeps each row's lookups in lookup order.
     keys = indices.clamp(-1, param.shape[0]).to(torch.int32) if param.shape[0] < 2**31 else indices
     ids, order = torch.sort(keys, stable=True)
-    check_row_ids(indices, ids, param)
+    guard = check_row_ids(indices, ids, param)
     n_chunks = triton.cdiv(nnz, CHUNK)
     partial = torch.empty((2, n_chunks, dim), dtype=torch.float32, device=param.device)
     block_d, warps, block_d2, heads = _blocks(dim)
@@ -233,34 +237,36 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
     hyper = (float(lr), beta1_hi, beta1_lo, 1.0 - beta1, beta2_hi, beta2_lo, 1.0 - beta2, float(eps),
              1.0 - lr * weight_decay)
     strides = (param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0))
-    tensors = (ids, order, values, partial, param, exp_avg, exp_avg_sq, step)
+    tensors = (ids, order, values, partial, param, exp_avg, exp_avg_sq, step, guard)
     layout = None  # traced (fake tensors have no data pointer) or plans off: Triton's own launches
     if PLANNED_LAUNCHES and not is_tracing():
         # What both kernels specialize on but the data (see launch_planned): the grids and every integer
         # argument follow from nnz, dim, the strides and the blocks; dtypes and 16-byte alignments of tensors.
-        layout = (param.get_device(), nnz, dim, values.stride(0), strides, maximize, block_d, warps, block_d2,
-                  heads, *((t.dtype, t.data_ptr() % 16) for t in tensors))
+        layout = (param.get_device(), nnz, dim, param.shape[0], values.stride(0), strides, maximize, block_d, warps,
+                  block_d2, heads, *((t.dtype, t.data_ptr() % 16) for t in tensors if t is not None))
     _launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)), layout, tensors,
-            (nnz, n_chunks, dim, values.stride(0), *strides), hyper,
+            (nnz, n_chunks, dim, param.shape[0], values.stride(0), *strides), hyper,
             dict(MAXIMIZE=maximize, CHUNK=CHUNK, LOG2_CHUNK=LOG2_CHUNK, BLOCK_D=block_d, num_warps=warps))
     if n_chunks > 1:
         _launch(crossing_kernel, (n_chunks - 1, triton.cdiv(dim, block_d2)), layout,
-                (ids, partial, param, exp_avg, exp_avg_sq, step), (n_chunks, dim, *strides), hyper,
+                (ids, partial, param, exp_avg, exp_avg_sq, step), (n_chunks, dim, param.shape[0], *strides), hyper,
                 dict(MAXIMIZE=maximize, CHUNK=CHUNK, HEADS=heads, BLOCK_D=block_d2, num_warps=4))
 
 
-def check_row_ids(indices: torch.Tensor, sorted_ids: Optional[torch.Tensor], param: torch.Tensor) -> None:
+def check_row_ids(indices: torch.Tensor, sorted_ids: Optional[torch.Tensor],
+                  param: torch.Tensor) -> Optional[torch.Tensor]:
     """Stop a step whose row ids (``indices``; ``sorted_ids``: them clamped to [-1, rows] and sorted) are not all
     in [0, rows): IndexError where the host may wait (a CPU; ``sorted_ids`` None); on CUDA, without a host sync,
     a device-side assert (the same as nn.Embedding's for an id out of range), raised by ``index_select`` on
-    the sorted ends before the update's kernels run."""
+    the sorted ends before the update's kernels run: its result is returned, for the kernels to take as an
+    argument (a compiler drops an unused result). The kernels skip such rows too: they never write outside."""
     if sorted_ids is None or not indices.is_cuda:
         low, high = (int(x) for x in indices.aminmax())
         if low < 0 or high >= param.shape[0]:
             raise IndexError(f"a sparse gradient's row ids must lie in [0, {param.shape[0]}) (the parameter's rows), "
                              f"got ids from {low} to {high}")
-        return
-    param.index_select(0, sorted_ids[:: max(sorted_ids.numel() - 1, 1)])
+        return None
+    return param.index_select(0, sorted_ids[:: max(sorted_ids.numel() - 1, 1)])
 
 
 def _launch(kernel, grid, layout: Optional[tuple], tensors: tuple, ints: tuple, floats: tuple, meta: dict) -> None:
@@ -270,7 +276,7 @@ def _launch(kernel, grid, layout: Optional[tuple], tensors: tuple, ints: tuple, 
     plan_key = None
     if layout is not None:
         plan_key = (kernel.fn.__name__, layout)
-        if launch_planned(plan_key, *tensors, *floats):
+        if launch_planned(plan_key, *(t for t in tensors if t is not None), *floats):
             return
     launch(kernel, grid, *tensors, *ints, *floats, plan_key=plan_key, plan_floats=True, **meta)
 

@@ -7,6 +7,7 @@ scripts run once each under torchrun (train_fsdp's resume on one rank runs in th
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -581,3 +582,12 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
                                 "step_00000003"), lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines
+
+
+@pytest.mark.parametrize("train_state, named", [({1: "a"}, "the key 1 (int)"), ({"pos": (3, 4)}, "train_state['pos'] is a tuple"),
+                                                ({"ids": [1, torch.tensor(2)]}, "train_state['ids'][1] is a Tensor")])
+def test_a_train_state_json_would_not_give_back_is_refused(tmp_path, train_state, named):
+    # Read back from JSON: an int key came back a string, a tuple a list, silently.
+    with pytest.raises(TypeError, match=re.escape(named)):
+        fd.Checkpointer(tmp_path).save(1, torch.nn.Linear(2, 2), train_state=train_state)
+    assert not any(tmp_path.iterdir())

@@ -99,6 +99,23 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _check_json_exact(value: Any, where: str) -> None:
+    """TypeError naming the first part of ``value`` that JSON would not give back as it is (an int key comes back
+    a string, a tuple a list, a tensor not at all): ``train_state`` is read back from JSON."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where} has the key {key!r} ({type(key).__name__}): JSON gives keys back as strings; "
+                                "use string keys")
+            _check_json_exact(item, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_exact(item, f"{where}[{i}]")
+    elif value is not None and type(value) not in (str, int, float, bool):
+        raise TypeError(f"{where} is a {type(value).__name__}: train_state holds what JSON gives back as it is "
+                        "(dicts with string keys, lists, strings, ints, floats, bools, None)")
+
+
 def _check_same_on_every_rank(train_state: Dict[str, Any]) -> None:
     """ValueError if ``train_state`` (with the step) differs between ranks: it is saved once (rank 0's) and every rank
     gets that back, so a per-rank value (a rank's own data position) would silently become rank 0's."""
@@ -287,8 +304,8 @@ class Checkpointer:
              async_save: Optional[bool] = None) -> Path:
         """Write a checkpoint of ``step`` (collective); returns its final folder. With ``async_save`` (this call's;
         default: the Checkpointer's) it returns once the state is staged in host memory. ValueError for a step
-        that is not an int >= 0, or a step or ``train_state`` that differs between ranks (before anything is
-        written)."""
+        that is not an int >= 0, or a step or ``train_state`` that differs between ranks, TypeError for a
+        ``train_state`` that JSON would not give back as it is (before anything is written)."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.wait()
@@ -313,10 +330,7 @@ class Checkpointer:
         info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
         if optimizer is not None:
             info[LAYOUT] = _optimizer_layout(model, optimizer)
-        try:
-            json.dumps(info)
-        except TypeError as e:
-            raise TypeError(f"train_state must be JSON-serializable (ints, floats, strings, lists): {e}") from None
+        _check_json_exact(train_state or {}, "train_state")
         _check_same_on_every_rank({"step": int(step), **(train_state or {})})
         diverged = _diverged_buffers(model)
         if diverged and _rank() == 0:

@@ -625,8 +625,10 @@ def test_traced_calls_use_the_op():
     (lambda: (torch.randn(4, 5), torch.randn(5, 3, device="meta")), ValueError, ["one device", "a on cpu", "b on meta"]),
     (lambda: (torch.randn(4, 5).to_sparse(), torch.randn(5, 3)), TypeError, ["a is a torch.sparse_coo tensor"]),
     (lambda: (torch.randn(4, 5), torch.randn(5, 3), torch.randn(3).to_sparse()), TypeError, ["bias is a torch.sparse_coo"]),
+    (lambda: (torch.randn(4, 5).numpy(), torch.randn(5, 3)), TypeError, ["a must be a torch.Tensor", "numpy.ndarray"]),
+    (lambda: (torch.randn(4, 5), torch.randn(5, 3), [0.0] * 3), TypeError, ["bias must be a torch.Tensor", "list"]),
 ], ids=["k-mismatch", "b-rank", "bias-size", "bias-rank", "mixed-dtype", "bias-dtype", "float64", "int", "scalar",
-        "mixed-device", "sparse-a", "sparse-bias"])
+        "mixed-device", "sparse-a", "sparse-bias", "numpy-a", "list-bias"])
 def test_bad_input(args, exc, words):
     with pytest.raises(exc) as info:
         matmul_relu(*args())
@@ -637,6 +639,8 @@ def test_bad_input(args, exc, words):
 def test_linear_relu_bad_weight():
     with pytest.raises(ValueError, match=r"weight must be 2-D .*\(5,\)"):
         linear_relu(torch.randn(3, 5), torch.randn(5))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got numpy.ndarray"):
+        linear_relu(torch.randn(3, 5).numpy(), torch.randn(4, 5))
 
 
 def test_package_api():

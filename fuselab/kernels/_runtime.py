@@ -434,6 +434,13 @@ def max_shared_memory(device_index: Optional[int] = None) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(dev)["max_shared_mem"]
 
 
+def check_tensors(**tensors: Optional[torch.Tensor]) -> None:
+    """TypeError naming an argument that is not a tensor (a NumPy array met ``.is_cuda`` deep inside)."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__qualname__}")
+
+
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
     named = [(n, t) for n, t in tensors.items() if t is not None]
     devices = {t.device for _, t in named}

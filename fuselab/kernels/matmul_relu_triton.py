@@ -37,6 +37,7 @@ from fuselab.kernels._runtime import (
     beyond_custom_ops,
     check_same_device,
     check_same_dtype,
+    check_tensors,
     execution_path,
     has_tma,
     in_dual_level,
@@ -574,6 +575,7 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def python_matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``matmul_relu`` for the calls the C++ eager path declined (or never sees: tracing, fp32, CPU)."""
+    check_tensors(a=a, b=b, bias=bias)
     if execution_path(a) is ExecutionPath.TRITON and untraced(a, b, bias) and not beyond_custom_ops():
         return _EagerMatmulReLU.apply(a, b, bias)
     if not torch.compiler.is_compiling() and beyond_custom_ops():
@@ -589,6 +591,7 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 def python_linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``linear_relu`` for the calls the C++ eager path declined."""
+    check_tensors(x=x, weight=weight, bias=bias)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D with shape (N, K), got shape {tuple(weight.shape)}")
     return python_matmul_relu(x, weight.t(), bias)

@@ -1238,6 +1238,32 @@ def test_a_backward_through_a_quantized_layer_raises_instead_of_dropping_gradien
         assert torch.equal(model(torch.ones(3, 16)), model(torch.ones(3, 16)))
 
 
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.mid = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x)
+        return h + self.mid(h)  # the output has a gradient through the residual whatever the quantized layer does
+
+
+def test_a_compiled_backward_through_a_quantized_layer_raises_too():
+    # Compiled, the guard was left out: the backward ran and `pre` got the residual's gradient only, silently.
+    torch._dynamo.reset()
+    model = _Residual()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda name, layer: name == "mid")
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
+        torch.compile(model, backend="aot_eager")(x).sum().backward()
+    torch._dynamo.reset()  # else the graph-broken compile above is reused
+    with pytest.raises(Exception, match="quantized layer .* has no backward"):  # fullgraph: refused at the forward
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    with torch.no_grad():  # inference compiles whole
+        torch.testing.assert_close(torch.compile(model, backend="aot_eager", fullgraph=True)(x), model(x),
+                                   rtol=0, atol=0)
+
+
 def test_a_tied_weight_is_reported_as_untied():
     class Tied(nn.Module):
         def __init__(self):

@@ -92,8 +92,9 @@ class _QuantizedLinear(nn.Module):
     @staticmethod
     def _inference_only(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y``, whose backward raises where ``x`` wants a gradient (rounding has none: the layers
-        before would silently get no gradient)."""
-        if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+        before would silently get no gradient). Compiled too: there the guard breaks the graph (fullgraph=True
+        refuses it, naming this), as leaving it out dropped those gradients silently."""
+        if torch.is_grad_enabled() and x.requires_grad:
             return _NoBackward.apply(x, [y])
         return y
 

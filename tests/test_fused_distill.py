@@ -246,6 +246,11 @@ def test_the_functional_loss_checks_like_the_module_on_every_path(device):
                 fused_distill.fused_distillation_loss(s, t, y, T, alpha)
         with pytest.raises(ValueError, match="one shape"):
             fused_distill.fused_distillation_loss(s, t[:1], y, 2.0, 0.5)
+        with pytest.raises(ValueError, match="one shape"):  # a 1-D student: its strides were read before the check
+            fused_distill.fused_distillation_loss(s[0], t, y, 2.0, 0.5)
+        for fused in (False, True):
+            with pytest.raises(ValueError, match="no class"):  # the PyTorch form met torch's IndexError
+                DistillationLoss(2.0, 0.5, fused=fused)(s[:, :0], t[:, :0], y)
     s, t = torch.randn(4, 5, device=device), torch.randn(4, 5, device=device)
     with pytest.raises(ValueError, match="temperature must be a positive finite"):
         torch.ops.fuselab.distillation_loss(s, t, y, -1.0, 0.5)
@@ -270,3 +275,24 @@ def test_a_row_the_teacher_masks_whole_adds_nothing(device, fused):
     assert s1.grad.isfinite().all() and not s1.grad[2].any() and not t1.grad[2].any()
     mixed = DistillationLoss(2.0, 0.5, fused=fused)(s, t, y)  # with the hard term: the other rows' labels
     torch.testing.assert_close(mixed.double(), DistillationLoss(2.0, 0.5)(s.double(), t.double(), y))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused, alpha", [(False, 0.5), (False, 1.0), (True, 1.0)], ids=["pytorch", "pytorch-soft", "fused-soft"])
+def test_a_padding_row_masked_in_both_logits_has_no_gradient(device, fused, alpha):
+    # Student and teacher logits -inf in every class, label -100: the loss was finite and the row's student
+    # gradient NaN (a NaN softmax's backward, times zero). (fused, alpha < 1: the kernel branch, GPU-pending.)
+    torch.manual_seed(0)
+    s, t = logits(4, 10, device, masked=False)
+    s[2], t[2] = float("-inf"), float("-inf")
+    y = torch.randint(0, 10, (4,), device=device)
+    y[2] = -100
+    s1 = s.clone().requires_grad_()
+    loss = DistillationLoss(2.0, alpha, fused=fused)(s1, t, y)
+    loss.backward()
+    alive = torch.tensor([0, 1, 3], device=device)
+    s_alive = s[alive].double().requires_grad_()
+    want = DistillationLoss(2.0, alpha)(s_alive, t[alive].double(), y[alive])
+    soft = alpha * DistillationLoss(2.0, 1.0)(s[alive].double(), t[alive].double(), y[alive])
+    torch.testing.assert_close(loss.double(), want - soft / 4, rtol=1e-5, atol=1e-6)  # the soft mean is over 4 rows
+    assert not s1.grad[2].any() and s1.grad.isfinite().all()

@@ -641,6 +641,8 @@ def test_linear_relu_bad_weight():
         linear_relu(torch.randn(3, 5), torch.randn(5))
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got numpy.ndarray"):
         linear_relu(torch.randn(3, 5).numpy(), torch.randn(4, 5))
+    with pytest.raises(ValueError, match=r"x has shape \(3, 12\) \(K=12\) but weight has shape \(12, 16\)"):
+        linear_relu(torch.randn(3, 12), torch.randn(12, 16))  # a (K, N) weight: named as passed, not transposed
 
 
 def test_package_api():

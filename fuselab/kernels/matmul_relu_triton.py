@@ -594,4 +594,7 @@ def python_linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     check_tensors(x=x, weight=weight, bias=bias)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D with shape (N, K), got shape {tuple(weight.shape)}")
+    if x.dim() >= 1 and x.shape[-1] != weight.shape[1]:  # in its own names: matmul_relu's b is weight.t()
+        raise ValueError(f"K mismatch: x has shape {tuple(x.shape)} (K={x.shape[-1]}) but weight has shape "
+                         f"{tuple(weight.shape)} (N, K={weight.shape[1]})")
     return python_matmul_relu(x, weight.t(), bias)

@@ -85,10 +85,11 @@ def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.
     T = temperature
     with torch.autocast(student_logits.device.type, enabled=False):
         s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
-        # a row the teacher masks whole (a padding position) adds nothing: its softmax would be 0 / 0, NaN
+        # a row the teacher masks whole (a padding position) adds nothing: its softmax would be 0 / 0, NaN; so
+        # is the student's there if masked whole too, and a NaN softmax's backward is NaN even times a zero
         dead = (t == float("-inf")).all(dim=-1, keepdim=True)
         t = torch.where(dead, 0.0, t)
-        log_p_s = F.log_softmax(s / T, dim=-1)
+        log_p_s = F.log_softmax(torch.where(dead, 0.0, s) / T, dim=-1)
         log_p_t = F.log_softmax(t / T, dim=-1)
         # KL(p_t || p_s) = sum p_t (log p_t - log p_s), summed over classes, mean over rows; a class the
         # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)
@@ -100,7 +101,9 @@ def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.
             return soft
         # The mean over labelled rows, 0 when there are none (cross_entropy's mean would be 0 / 0)
         labelled = (target != -100).sum().clamp(min=1)
-        hard = F.cross_entropy(s, target, reduction="sum") / labelled
+        # an unlabelled row adds nothing, its gradient 0 too where its student logits are all -inf
+        unlabelled = (target == -100).unsqueeze(-1)
+        hard = F.cross_entropy(torch.where(unlabelled, 0.0, s), target, reduction="sum") / labelled
         return hard if alpha == 0.0 else alpha * soft + (1.0 - alpha) * hard
 
 
@@ -109,7 +112,7 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_logits(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> None:
-    """``DistillationLoss``'s inputs: (N, C) floating logits of one shape, N >= 1; (N,) int64 targets."""
+    """``DistillationLoss``'s inputs: (N, C) floating logits of one shape, N >= 1, C >= 1; (N,) int64 targets."""
     if student.dim() != 2 or student.shape != teacher.shape:
         raise ValueError(f"student and teacher logits must both be (N, C) of one shape, got "
                          f"{tuple(student.shape)} and {tuple(teacher.shape)}")
@@ -120,3 +123,5 @@ def check_logits(student: torch.Tensor, teacher: torch.Tensor, target: torch.Ten
                          f"{tuple(target.shape)} {target.dtype}")
     if student.shape[0] == 0:
         raise ValueError("the batch is empty: a batch mean of no rows is undefined")
+    if student.shape[1] == 0:
+        raise ValueError(f"the logits have no class (shape {tuple(student.shape)}): a softmax needs at least one")

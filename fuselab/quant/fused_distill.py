@@ -176,12 +176,10 @@ def _weights(n: int, temperature: float, alpha: float) -> tuple:
 
 def _check(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float,
            alpha: float) -> None:
-    """What the kernels read exactly: ``check_logits``'s inputs with C >= 1, fp16/bf16/fp32 logits with unit
+    """What the kernels read exactly: ``check_logits``'s inputs, fp16/bf16/fp32 logits with unit
     column stride, all on one device; ``check_hyperparameters``'s T and alpha."""
     check_hyperparameters(temperature, alpha)
     check_logits(student, teacher, target)
-    if student.shape[1] == 0:
-        raise ValueError(f"the fused loss needs at least one class, got logits of shape {tuple(student.shape)}")
     if student.device != teacher.device or target.device != student.device:
         raise ValueError(f"logits and target must be on one device, got {student.device}, {teacher.device} "
                          f"and {target.device}")
@@ -311,9 +309,9 @@ def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target
     differentiable in both logits. Under forward-mode AD and ``torch.func`` transforms the PyTorch form
     computes it (a custom op has no tangent rule), so tangents and transformed results are PyTorch's."""
     temperature, alpha = check_hyperparameters(temperature, alpha)
+    check_logits(student, teacher, target)  # before their strides are read (the op checks the rest: _check)
     if (execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON
             or (not torch.compiler.is_compiling() and beyond_custom_ops())):
-        check_logits(student, teacher, target)  # the kernels' path checks them in the op (_check)
         return distillation_loss_torch(student, teacher, target, temperature, alpha)
     student, teacher = (x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous() for x in (student, teacher))
     if untraced(student, teacher, target):

@@ -191,6 +191,12 @@ def check_edges(rt, out_dir):
         out["per_rank_train_state"] = "saved"
     except ValueError as e:
         out["per_rank_train_state"] = str(e)
+    try:  # refused on rank 0 only (a tuple there): every rank raises, none waits in the collective alone
+        fd.Checkpointer(out_dir / "edges-json", keep=None).save(1, model, None, None,
+                                                                  {"position": (1, 2) if rt.rank == 0 else [1, 2]})
+        out["rank0_json_train_state"] = "saved"
+    except TypeError as e:
+        out["rank0_json_train_state"] = str(e)
     try:
         fd.Checkpointer(out_dir / "edges-step", keep=None).save(10 + rt.rank, model)
         out["per_rank_step"] = "saved"

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,6 +144,8 @@ def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     # train_state is saved once: a per-rank value came back as rank 0's on every rank
     assert "step and train_state differ between ranks in ['position']" in edges["per_rank_train_state"]
     assert "differ between ranks in ['step']" in edges["per_rank_step"]
+    # refused on rank 0 only: both ranks raise (rank 1 waiting alone in the collective would hang the run)
+    assert "rank 0's train_state['position'] is a builtins.tuple" in edges["rank0_json_train_state"], edges
     # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
     assert "FSDP2 cannot shard sparse-gradient embeddings (0: sparse=True)" in edges["sparse_fsdp"]
     assert "parameters shared between blocks (0.weight, 0.bias)" in edges["shared_fsdp"], edges
@@ -584,10 +587,30 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines
 
 
-@pytest.mark.parametrize("train_state, named", [({1: "a"}, "the key 1 (int)"), ({"pos": (3, 4)}, "train_state['pos'] is a tuple"),
-                                                ({"ids": [1, torch.tensor(2)]}, "train_state['ids'][1] is a Tensor")])
+def _self_containing():
+    loop = [1]
+    loop.append(loop)
+    return {"loop": loop}
+
+
+@pytest.mark.parametrize("train_state, named", [
+    ({1: "a"}, "train_state has the key 1 (int): JSON gives keys back as strings"),
+    ({"pos": (3, 4)}, "train_state['pos'] is a builtins.tuple"),
+    ({"ids": [1, torch.tensor(2)]}, "train_state['ids'][1] is a torch.Tensor"),
+    ({"seen": np.int64(3)}, "train_state['seen'] is a numpy.int64: JSON would not give it back as it is (a NumPy or tensor scalar: .item() it)"),
+    (_self_containing(), "train_state['loop'][1] contains itself"),
+], ids=["int-key", "tuple", "tensor", "numpy-int", "self-containing"])
 def test_a_train_state_json_would_not_give_back_is_refused(tmp_path, train_state, named):
     # Read back from JSON: an int key came back a string, a tuple a list, silently.
     with pytest.raises(TypeError, match=re.escape(named)):
         fd.Checkpointer(tmp_path).save(1, torch.nn.Linear(2, 2), train_state=train_state)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_train_state_of_numbers_json_gives_back_is_saved(tmp_path):
+    # NumPy's float64 is a float (np.mean's result): it comes back equal, as do nan and a nested dict.
+    state = {"loss": np.float64(0.25), "nan": float("nan"), "flags": {"ok": True, "n": [1, 2.5, None, "a"]}}
+    ckpt = fd.Checkpointer(tmp_path)
+    ckpt.save(1, torch.nn.Linear(2, 2), train_state=state)
+    back = ckpt.train_state()
+    assert back["loss"] == 0.25 and back["flags"] == state["flags"] and back["nan"] != back["nan"]

@@ -560,6 +560,8 @@ def test_row_ids_outside_the_parameter_stop_a_cuda_step_with_a_device_assert():
 def test_the_kernels_never_write_outside_the_parameter(device, monkeypatch):
     # Whatever reaches them (the check stops such a step first; a compiler could drop a check whose result is unused):
     # rows outside the parameter are skipped, the others updated as the rule says.
+    # (Ids below 0 arrive clamped to -1, the kernels' own end marker: their `ids >= 0` mask matters only for
+    # parameters of 2**31 rows or more, whose int64 ids are not clamped; no test reaches that size.)
     monkeypatch.setattr(kernel_module, "check_row_ids", lambda *args: None)
     for repeats in (3, 40):  # segments that end in their chunk, and ones that cross chunks
         storage = torch.zeros(12, 5, device=device)

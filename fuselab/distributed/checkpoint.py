@@ -99,32 +99,45 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _check_json_exact(value: Any, where: str) -> None:
-    """TypeError naming the first part of ``value`` that JSON would not give back as it is (an int key comes back
-    a string, a tuple a list, a tensor not at all): ``train_state`` is read back from JSON."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where} has the key {key!r} ({type(key).__name__}): JSON gives keys back as strings; "
-                                "use string keys")
-            _check_json_exact(item, f"{where}[{key!r}]")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_json_exact(item, f"{where}[{i}]")
-    elif value is not None and type(value) not in (str, int, float, bool):
-        raise TypeError(f"{where} is a {type(value).__name__}: train_state holds what JSON gives back as it is "
-                        "(dicts with string keys, lists, strings, ints, floats, bools, None)")
+def _json_problem(value: Any, where: str, within: tuple = ()) -> Optional[str]:
+    """What in ``value`` JSON would not give back as it is (an int key comes back a string, a tuple a list, a
+    tensor not at all), or None: ``train_state`` is read back from JSON."""
+    if isinstance(value, (dict, list)):
+        if any(value is outer for outer in within):
+            return f"{where} contains itself"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict) and not isinstance(key, str):
+                return f"{where} has the key {key!r} ({type(key).__name__}): JSON gives keys back as strings"
+            problem = _json_problem(item, f"{where}[{key!r}]", (*within, value))
+            if problem:
+                return problem
+        return None
+    if value is None or isinstance(value, (str, int, float)):  # bool is an int; NumPy's float64 a float
+        return None
+    return (f"{where} is a {type(value).__module__}.{type(value).__qualname__}: JSON would not give it back as it is "
+            "(a NumPy or tensor scalar: .item() it)")
 
 
-def _check_same_on_every_rank(train_state: Dict[str, Any]) -> None:
-    """ValueError if ``train_state`` (with the step) differs between ranks: it is saved once (rank 0's) and every rank
-    gets that back, so a per-rank value (a rank's own data position) would silently become rank 0's."""
+def _check_train_state(train_state: Dict[str, Any]) -> None:
+    """TypeError on every rank if ``train_state`` (with the step) holds what JSON would not give back (see
+    ``_json_problem``) on any rank, ValueError if it differs between ranks: it is saved once (rank 0's) and every
+    rank gets that back, so a per-rank value (a rank's own data position) would silently become rank 0's."""
+    problem = _json_problem(train_state, "train_state")
     if _world() == 1:
+        if problem:
+            raise TypeError(f"{problem}; train_state holds dicts with string keys, lists, strings, numbers, bools "
+                            "and None")
         return
-    states: List[Any] = [None] * _world()
-    dist.all_gather_object(states, json.dumps(train_state, sort_keys=True, default=repr))
+    states: List[Any] = [None] * _world()  # gathered even where this rank's is refused: no rank waits alone
+    dist.all_gather_object(states, (problem, None if problem else json.dumps(train_state, sort_keys=True)))
+    refused = [(rank, p) for rank, (p, _) in enumerate(states) if p]
+    if refused:
+        rank, problem = refused[0]
+        raise TypeError(f"rank {rank}'s {problem}; train_state holds dicts with string keys, lists, strings, numbers, "
+                        "bools and None")
     if any(other != states[0] for other in states):
-        decoded = [json.loads(state) for state in states]
+        decoded = [json.loads(state) for _, state in states]
         keys = sorted({k for d in decoded for k in set(d) | set(decoded[0]) if d.get(k) != decoded[0].get(k)})
         raise ValueError(f"save()'s step and train_state differ between ranks in {keys}: they are saved once and "
                          "every rank gets rank 0's back; keep per-rank positions derivable from shared values (e.g. "
@@ -330,8 +343,7 @@ class Checkpointer:
         info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
         if optimizer is not None:
             info[LAYOUT] = _optimizer_layout(model, optimizer)
-        _check_json_exact(train_state or {}, "train_state")
-        _check_same_on_every_rank({"step": int(step), **(train_state or {})})
+        _check_train_state({"step": int(step), **(train_state or {})})
         diverged = _diverged_buffers(model)
         if diverged and _rank() == 0:
             logger.warning("buffers differ between ranks (%s%s): the checkpoint keeps one rank's copy, and a resume "

@@ -599,7 +599,8 @@ def _self_containing():
     ({"ids": [1, torch.tensor(2)]}, "train_state['ids'][1] is a torch.Tensor"),
     ({"seen": np.int64(3)}, "train_state['seen'] is a numpy.int64: JSON would not give it back as it is (a NumPy or tensor scalar: .item() it)"),
     (_self_containing(), "train_state['loop'][1] contains itself"),
-], ids=["int-key", "tuple", "tensor", "numpy-int", "self-containing"])
+    ({"n": 10**5000}, "train_state cannot be written as JSON (ValueError"),
+], ids=["int-key", "tuple", "tensor", "numpy-int", "self-containing", "huge-int"])
 def test_a_train_state_json_would_not_give_back_is_refused(tmp_path, train_state, named):
     # Read back from JSON: an int key came back a string, a tuple a list, silently.
     with pytest.raises(TypeError, match=re.escape(named)):

@@ -115,8 +115,10 @@ def _json_problem(value: Any, where: str, within: tuple = ()) -> Optional[str]:
         return None
     if value is None or isinstance(value, (str, int, float)):  # bool is an int; NumPy's float64 a float
         return None
-    return (f"{where} is a {type(value).__module__}.{type(value).__qualname__}: JSON would not give it back as it is "
-            "(a NumPy or tensor scalar: .item() it)")
+    kind = type(value)
+    scalar = isinstance(value, torch.Tensor) or kind.__module__ == "numpy"
+    return (f"{where} is a {kind.__module__}.{kind.__qualname__}: JSON would not give it back as it is"
+            + (" (a NumPy or tensor scalar: .item() it)" if scalar else ""))
 
 
 def _check_train_state(train_state: Dict[str, Any]) -> None:
@@ -124,13 +126,18 @@ def _check_train_state(train_state: Dict[str, Any]) -> None:
     ``_json_problem``) on any rank, ValueError if it differs between ranks: it is saved once (rank 0's) and every
     rank gets that back, so a per-rank value (a rank's own data position) would silently become rank 0's."""
     problem = _json_problem(train_state, "train_state")
+    if not problem:
+        try:  # what the walk passes can still fail to encode (an int of more digits than Python writes)
+            encoded = json.dumps(train_state, sort_keys=True)
+        except (ValueError, RecursionError) as e:
+            problem = f"train_state cannot be written as JSON ({type(e).__name__}: {e})"
     if _world() == 1:
         if problem:
             raise TypeError(f"{problem}; train_state holds dicts with string keys, lists, strings, numbers, bools "
                             "and None")
         return
     states: List[Any] = [None] * _world()  # gathered even where this rank's is refused: no rank waits alone
-    dist.all_gather_object(states, (problem, None if problem else json.dumps(train_state, sort_keys=True)))
+    dist.all_gather_object(states, (problem, None if problem else encoded))
     refused = [(rank, p) for rank, (p, _) in enumerate(states) if p]
     if refused:
         rank, problem = refused[0]

@@ -291,16 +291,14 @@ class Checkpointer:
 
     def checkpoints(self) -> List[Tuple[int, Path]]:
         """(step, folder) of every complete checkpoint, oldest first."""
-        out = []
+        return [(n, p) for n, p in self._step_folders() if (p / ".metadata").exists()]
+
+    def _step_folders(self) -> List[Tuple[int, Path]]:
+        """(step, folder) of every ``step_<n>`` folder, complete or damaged (no .metadata), oldest first."""
         if not self.dir.is_dir():
-            return out
-        for p in self.dir.iterdir():
-            if p.name.startswith(PREFIX) and p.is_dir() and (p / ".metadata").exists():
-                try:
-                    out.append((int(p.name[len(PREFIX):]), p))
-                except ValueError:
-                    continue
-        return sorted(out)
+            return []
+        named = ((p, p.name[len(PREFIX):]) for p in self.dir.glob(f"{PREFIX}*") if p.is_dir())
+        return sorted((int(n), p) for p, n in named if n.isdigit())
 
     def latest(self) -> Optional[Path]:
         found = self.checkpoints()
@@ -410,8 +408,7 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         # the old line's checkpoints from this step on, complete or damaged (no .metadata)
-        steps = ((path, path.name[len(PREFIX):]) for path in self.dir.glob(f"{PREFIX}*") if path.is_dir())
-        later = sorted((int(n), path) for path, n in steps if n.isdigit() and int(n) >= step)
+        later = [(n, path) for n, path in self._step_folders() if n >= step]
         for n, path in later:  # a run resumed from an earlier checkpoint: the later ones are another line now
             aside, again = path.with_name(f"{ABANDONED}{path.name}"), 1
             while aside.exists():  # abandoned before, by another rollback
@@ -461,10 +458,9 @@ class Checkpointer:
         ``world_size`` and what ``save`` was given); None when there is no checkpoint."""
         self.wait()
         if path is None:
-            latest = self.checkpoints()[-1][0] if self.checkpoints() else -1
-            broken = sorted(p.name for p in self.dir.glob(f"{PREFIX}*")
-                            if p.is_dir() and not (p / ".metadata").exists() and p.name[len(PREFIX):].isdigit()
-                            and int(p.name[len(PREFIX):]) > latest)
+            complete = self.checkpoints()
+            latest = complete[-1][0] if complete else -1
+            broken = [p.name for n, p in self._step_folders() if n > latest and not (p / ".metadata").exists()]
             if broken:  # complete ones are renamed into place: a folder without .metadata was damaged since
                 logger.warning("%s: %s lack .metadata (damaged): resuming from the latest complete checkpoint before "
                                "them", self.dir, ", ".join(broken))

@@ -576,6 +576,10 @@ def matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] =
 def python_matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``matmul_relu`` for the calls the C++ eager path declined (or never sees: tracing, fp32, CPU)."""
     check_tensors(a=a, b=b, bias=bias)
+    return _matmul_relu_of_tensors(a, b, bias)
+
+
+def _matmul_relu_of_tensors(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if execution_path(a) is ExecutionPath.TRITON and untraced(a, b, bias) and not beyond_custom_ops():
         return _EagerMatmulReLU.apply(a, b, bias)
     if not torch.compiler.is_compiling() and beyond_custom_ops():
@@ -597,4 +601,4 @@ def python_linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if x.dim() >= 1 and x.shape[-1] != weight.shape[1]:  # in its own names: matmul_relu's b is weight.t()
         raise ValueError(f"K mismatch: x has shape {tuple(x.shape)} (K={x.shape[-1]}) but weight has shape "
                          f"{tuple(weight.shape)} (N, K={weight.shape[1]})")
-    return python_matmul_relu(x, weight.t(), bias)
+    return _matmul_relu_of_tensors(x, weight.t(), bias)

@@ -309,11 +309,13 @@ def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target
     differentiable in both logits. Under forward-mode AD and ``torch.func`` transforms the PyTorch form
     computes it (a custom op has no tangent rule), so tangents and transformed results are PyTorch's."""
     temperature, alpha = check_hyperparameters(temperature, alpha)
-    check_logits(student, teacher, target)  # before their strides are read (the op checks the rest: _check)
     if (execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON
             or (not torch.compiler.is_compiling() and beyond_custom_ops())):
+        check_logits(student, teacher, target)  # the kernels' path checks them in the op (_check)
         return distillation_loss_torch(student, teacher, target, temperature, alpha)
-    student, teacher = (x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous() for x in (student, teacher))
+    # columns made contiguous where they are not; any other shape goes on to the op's check as it is
+    student, teacher = (x if x.dim() != 2 or x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
+                        for x in (student, teacher))
     if untraced(student, teacher, target):
         return _EagerDistillationLoss.apply(student, teacher, target, float(temperature), float(alpha))[0]
     return torch.ops.fuselab.distillation_loss(student, teacher, target, temperature, alpha)[0]

@@ -197,6 +197,12 @@ def check_edges(rt, out_dir):
         out["rank0_json_train_state"] = "saved"
     except TypeError as e:
         out["rank0_json_train_state"] = str(e)
+    try:  # equal in Python, written differently: named, not "differ in []"
+        fd.Checkpointer(out_dir / "edges-encoded", keep=None).save(1, model, None, None,
+                                                                     {"flag": True if rt.rank == 0 else 1})
+        out["encoded_train_state"] = "saved"
+    except ValueError as e:
+        out["encoded_train_state"] = str(e)
     try:
         fd.Checkpointer(out_dir / "edges-step", keep=None).save(10 + rt.rank, model)
         out["per_rank_step"] = "saved"

@@ -144,6 +144,7 @@ def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     # train_state is saved once: a per-rank value came back as rank 0's on every rank
     assert "step and train_state differ between ranks in ['position']" in edges["per_rank_train_state"]
     assert "differ between ranks in ['step']" in edges["per_rank_step"]
+    assert "differ between ranks in ['flag']" in edges["encoded_train_state"]
     # refused on rank 0 only: both ranks raise (rank 1 waiting alone in the collective would hang the run)
     assert "rank 0's train_state['position'] is a builtins.tuple" in edges["rank0_json_train_state"], edges
     # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
@@ -476,6 +477,14 @@ for step in (3, 4):
 damaged.load(model)
 damaged.save(3, model)
 print("damaged", " ".join(sorted(p.name for p in damaged.dir.iterdir())))
+# keep prunes a damaged folder older than the checkpoints it keeps (it piled up before)
+pruned = fd.Checkpointer(sys.argv[1] + "-pruned", keep=None)
+for step in (1, 2, 3):
+    pruned.save(step, model)
+(pruned.dir / "step_00000001" / ".metadata").unlink()
+pruned.keep = 2
+pruned.save(4, model)
+print("pruned", " ".join(sorted(p.name for p in pruned.dir.iterdir())))
 # A rollback that saves the step it abandons (resumed from 1, saves 2 again): the old line's 2 is set aside
 again = fd.Checkpointer(sys.argv[1] + "-again", keep=None)
 for step in (1, 2, 3):
@@ -566,7 +575,8 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
-                  "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged"))
+                  "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged",
+                  "pruned"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -583,6 +593,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["samegroups"] == "loaded", lines
     assert lines["damaged"] == ("abandoned-step_00000003 abandoned-step_00000004 step_00000001 step_00000002 "
                                 "step_00000003"), lines
+    assert lines["pruned"] == "step_00000003 step_00000004", lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines
 

@@ -16,7 +16,8 @@ restored only at the same world size (elsewhere there is no rank to give them to
 Crash safety: a checkpoint is written into ``.tmp-step_<n>/`` and renamed to ``step_<n>/`` by
 rank 0 once DCP has finished (its ``.metadata`` is written last, after every rank's data); a
 process killed mid-save leaves only a temporary folder, which ``latest()`` never returns and
-the next save deletes. ``keep`` complete checkpoints are kept, the oldest deleted. A run resumed
+the next save deletes. ``keep`` complete checkpoints are kept, the older ones deleted (damaged folders among
+them too: a step folder without ``.metadata``, which nothing resumes from). A run resumed
 from an earlier checkpoint (``load(path=...)``) that saves again renames the later ones
 ``abandoned-step_<n>/`` (the one of the step it saves, too): they are kept, but never resumed from or counted;
 a Checkpointer that has loaded nothing refuses to save into a folder holding checkpoints it did not write
@@ -145,7 +146,9 @@ def _check_train_state(train_state: Dict[str, Any]) -> None:
                         "bools and None")
     if any(other != states[0] for other in states):
         decoded = [json.loads(state) for _, state in states]
-        keys = sorted({k for d in decoded for k in set(d) | set(decoded[0]) if d.get(k) != decoded[0].get(k)})
+        # compared as written, not as Python values: True and 1 (or 1 and 1.0) are equal but saved differently
+        written = lambda d, k: json.dumps(d[k], sort_keys=True) if k in d else None
+        keys = sorted({k for d in decoded for k in set(d) | set(decoded[0]) if written(d, k) != written(decoded[0], k)})
         raise ValueError(f"save()'s step and train_state differ between ranks in {keys}: they are saved once and "
                          "every rank gets rank 0's back; keep per-rank positions derivable from shared values (e.g. "
                          "the samples seen in all)")
@@ -422,9 +425,12 @@ class Checkpointer:
         _fsync_dir(self.dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        if self.keep is not None:
-            for _, path in self.checkpoints()[:-self.keep]:
-                shutil.rmtree(path, ignore_errors=True)
+        complete = self.checkpoints()
+        if self.keep is not None and len(complete) > self.keep:
+            oldest_kept = complete[-self.keep][0]  # damaged folders before it go too (never resumed from)
+            for n, path in self._step_folders():
+                if n < oldest_kept:
+                    shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
         """Block until a pending asynchronous save is written and published (re-raises its error)."""

@@ -521,6 +521,12 @@ unused.save(1, heads, head_opt)
 head_opt2 = torch.optim.AdamW(heads.parameters(), lr=0.1)
 unused.load(heads, head_opt2)
 print("unused", len(head_opt2.state), heads["b"].weight in head_opt2.state)
+shard = unused.latest() / "__0_0.distcp"  # a data file cut short (a full disk, a partial copy): named
+shard.write_bytes(shard.read_bytes()[:100])
+try:
+    unused.load(heads, head_opt2)
+except RuntimeError as e:
+    print("shard", e)
 (unused.latest() / ".metadata").write_bytes(b"garbage")
 try:
     unused.load(heads, head_opt2)
@@ -576,7 +582,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
                   "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged",
-                  "pruned"))
+                  "pruned", "shard"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -594,6 +600,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["damaged"] == ("abandoned-step_00000003 abandoned-step_00000004 step_00000001 step_00000002 "
                                 "step_00000003"), lines
     assert lines["pruned"] == "step_00000003 step_00000004", lines
+    assert "-unused/step_00000001 is damaged: __0_0.distcp (100 bytes, " in lines["shard"], lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines
 

@@ -250,6 +250,22 @@ def _layout_change(saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+def _short_data_files(path: Path, metadata) -> List[str]:
+    """The data files of checkpoint ``path`` that are missing or shorter than its ``.metadata`` says (truncated by a
+    full disk or a partial copy), each as "<file> (<what>)"."""
+    needed: Dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    short = []
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).exists() else None
+        if have is None or have < size:
+            short.append(f"{name} ({'missing' if have is None else f'{have} bytes, {size} expected'})")
+    return short
+
+
 def _first_failure(error: "CheckpointException") -> str:
     """The first rank's failure of a DCP CheckpointException, as one line."""
     for failure in (getattr(error, "failures", None) or {}).values():
@@ -477,9 +493,13 @@ class Checkpointer:
         if not (path / ".metadata").exists():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
         try:
-            saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
         except Exception as e:  # noqa: BLE001  a truncated or foreign .metadata: name the checkpoint
             raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
+        short = _short_data_files(path, metadata)
+        if short:  # DCP's own error names neither file nor checkpoint (a zip reader's "central directory")
+            raise RuntimeError(f"{path} is damaged: {'; '.join(short)}")
+        saved = set(metadata.state_dict_metadata)
         t0 = time.perf_counter()
         with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
         layout = (self.train_state(path) or {}).get(LAYOUT) if with_optim else None

@@ -45,9 +45,7 @@ class DistillationLoss(nn.Module):
         alpha: weight of the soft term, in [0, 1]; 0 is plain cross-entropy.
         fused: compute the loss and both gradients with Triton kernels (``fuselab.quant.fused_distill``)
             on CUDA fp16/bf16/fp32 logits; elsewhere, and for a backward that is itself differentiated,
-            the PyTorch form. Its results match this one's to fp32 rounding at the logits' magnitude, but for
-            an unlabelled row whose student logits are all -inf (or hold a NaN): at alpha < 1 its student
-            gradient is NaN there, 0 here (a kernel fix awaits its GPU run).
+            the PyTorch form. Its results match this one's to fp32 rounding at the logits' magnitude.
     """
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):

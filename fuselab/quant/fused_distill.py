@@ -21,7 +21,8 @@ m_t - m_s still cancel where the teacher's and student's logits sit far apart, t
 
 with p_s, p_t the softmaxes at temperature T, each exp((x / T - m) - log z), and n_labelled the rows
 whose target is not -100 (counted on the device: no host sync). A teacher logit of -inf adds nothing
-(its p_t is 0), and a row of them only adds nothing to the soft term, as in the PyTorch form. With
+(its p_t is 0), and a row of them only adds nothing to the soft term, as in the PyTorch form; an
+unlabelled row adds nothing to the hard term, its gradient 0 even where its student logits are all -inf. With
 alpha < 1, a target outside [0, C) other than -100 makes its row's loss and student gradient NaN:
 checking it on the host would wait for the GPU (PyTorch's cross-entropy stops the process with a
 device-side assert). The math is fp32; float64 logits and CPU
@@ -158,7 +159,8 @@ def grad_rows_kernel(
                 tl.store(dt_ptr + row * stride_dt + c0 + cols, dt.to(dt_ptr.dtype.element_ty), mask=live)
         if HARD:
             onehot = tl.where(c0 + cols == y, 1.0, 0.0)
-            ds += hard_g * (tl.exp((s - m_h) - lz_h) - onehot)
+            # an unlabelled row adds nothing: 0, not 0 times a softmax that is NaN where its logits are all -inf
+            ds += tl.where(labelled, hard_g * (tl.exp((s - m_h) - lz_h) - onehot), 0.0)
         if WRITE_DS:
             tl.store(ds_ptr + row * stride_ds + c0 + cols, ds.to(ds_ptr.dtype.element_ty), mask=live)
 

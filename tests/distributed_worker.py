@@ -203,6 +203,12 @@ def check_edges(rt, out_dir):
         out["encoded_train_state"] = "saved"
     except ValueError as e:
         out["encoded_train_state"] = str(e)
+    try:  # a reserved key on rank 1 only: every rank raises (rank 0 waited alone in the collective before)
+        fd.Checkpointer(out_dir / "edges-reserved", keep=None).save(1, model, None, None,
+                                                                      {"time": 1} if rt.rank == 1 else {})
+        out["rank1_reserved"] = "saved"
+    except ValueError as e:
+        out["rank1_reserved"] = str(e)
     try:
         fd.Checkpointer(out_dir / "edges-step", keep=None).save(10 + rt.rank, model)
         out["per_rank_step"] = "saved"

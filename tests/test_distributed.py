@@ -144,7 +144,8 @@ def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     # train_state is saved once: a per-rank value came back as rank 0's on every rank
     assert "step and train_state differ between ranks in ['position']" in edges["per_rank_train_state"]
     assert "differ between ranks in ['step']" in edges["per_rank_step"]
-    assert "differ between ranks in ['flag']" in edges["encoded_train_state"]
+    assert "differ between ranks in ['flag'] ('flag': rank 0 true, rank 1 1)" in edges["encoded_train_state"]
+    assert "rank 1's train_state may not set ['time']" in edges["rank1_reserved"], edges
     # refused on rank 0 only: both ranks raise (rank 1 waiting alone in the collective would hang the run)
     assert "rank 0's train_state['position'] is a builtins.tuple" in edges["rank0_json_train_state"], edges
     # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
@@ -455,6 +456,14 @@ roll.save(300, model)
 roll.load(model, path=roll.dir / "step_00000250")
 roll.save(260, model)  # a second rollback past a step abandoned before: both kept
 print("rollback2", " ".join(sorted(p.name for p in roll.dir.iterdir() if p.name.startswith("abandoned"))))
+# Resumed from 10 of 10, 20, 30, saving 25: the old line's 20 is set aside too (it stayed, counted and resumable)
+gap = fd.Checkpointer(sys.argv[1] + "-gap", keep=None)
+for step in (10, 20, 30):
+    gap.save(step, model)
+gap.load(model, path=gap.dir / "step_00000010")
+gap.save(25, model)
+gap.save(40, model)  # this line's own 25 stays
+print("gap", " ".join(sorted(p.name for p in gap.dir.iterdir())))
 try:
     ck.save(-1, model)
 except ValueError as e:
@@ -521,17 +530,38 @@ unused.save(1, heads, head_opt)
 head_opt2 = torch.optim.AdamW(heads.parameters(), lr=0.1)
 unused.load(heads, head_opt2)
 print("unused", len(head_opt2.state), heads["b"].weight in head_opt2.state)
-shard = unused.latest() / "__0_0.distcp"  # a data file cut short (a full disk, a partial copy): named
+# A data file cut short (a full disk, a partial copy): named; load() resumes from the whole one before it
+unused.save(2, heads, head_opt2)
+shard = unused.dir / "step_00000002" / "__0_0.distcp"
 shard.write_bytes(shard.read_bytes()[:100])
 try:
-    unused.load(heads, head_opt2)
+    unused.load(heads, head_opt2, path=unused.dir / "step_00000002")
 except RuntimeError as e:
     print("shard", e)
-(unused.latest() / ".metadata").write_bytes(b"garbage")
+print("fallback", unused.latest().name, unused.load(heads, head_opt2)["step"])
+unused.keep = 2  # the damaged 2 (after the step resumed from) is set aside, not counted: 1 and 3 are kept
+unused.save(3, heads, head_opt2)
+print("wholekeep", " ".join(sorted(p.name for p in unused.dir.iterdir())))
+(unused.dir / "step_00000003" / ".metadata").write_bytes(b"garbage")
 try:
-    unused.load(heads, head_opt2)
+    unused.load(heads, head_opt2, path=unused.dir / "step_00000003")
 except RuntimeError as e:
     print("metadata", e)
+for folder in unused.dir.glob("step_*"):
+    (folder / ".metadata").unlink()
+try:  # only damaged checkpoints: refused (starting from scratch would silently restart the run)
+    unused.load(heads, head_opt2)
+except RuntimeError as e:
+    print("alldamaged", e)
+(unused.dir / "step_\u00b2").mkdir()  # a name whose digit Python's int() reads but is not ASCII: not a step
+print("superscript", unused.latest())
+# A warm start from another folder's checkpoint does not make this folder's checkpoints this run's
+warm = fd.Checkpointer(sys.argv[1] + "-roll")
+warm.load(model, path=fresh.dir / "step_00000000")
+try:
+    warm.save(5, model)
+except ValueError as e:
+    print("warmstart", e)
 failing = fd.Checkpointer(sys.argv[1] + "-async", async_save=True)
 def disk_full(*args):
     raise OSError(28, "No space left on device")
@@ -582,12 +612,13 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
                   "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged",
-                  "pruned", "shard"))
+                  "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
     assert lines["unstepped"] == "0 0", lines
     assert lines["rollback"] == "True step_00000250 abandoned-step_00000300 step_00000200 step_00000250", lines
+    assert lines["gap"] == "abandoned-step_00000020 abandoned-step_00000030 step_00000010 step_00000025 step_00000040", lines
     assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines
     assert "step must be an int >= 0, got -1" in lines["negative"], lines
     assert "was written but not published" in lines["async"] and "No space left" in lines["async"], lines
@@ -600,9 +631,14 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["damaged"] == ("abandoned-step_00000003 abandoned-step_00000004 step_00000001 step_00000002 "
                                 "step_00000003"), lines
     assert lines["pruned"] == "step_00000003 step_00000004", lines
-    assert "-unused/step_00000001 is damaged: __0_0.distcp (100 bytes, " in lines["shard"], lines
+    assert "-unused/step_00000002 is damaged: __0_0.distcp (100 bytes, " in lines["shard"], lines
+    assert lines["fallback"] == "step_00000001 1", lines
+    assert lines["wholekeep"] == "abandoned-step_00000002 step_00000001 step_00000003", lines
+    assert "holds no checkpoint to resume from, only damaged ones" in lines["alldamaged"], lines
+    assert lines["superscript"] == "None", lines
+    assert "that this Checkpointer neither loaded nor wrote" in lines["warmstart"], lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
-    assert "could not read" in lines["metadata"] and "-unused/step_00000001/.metadata" in lines["metadata"], lines
+    assert "could not read" in lines["metadata"] and "-unused/step_00000003/.metadata" in lines["metadata"], lines
 
 
 def _self_containing():

@@ -16,12 +16,14 @@ restored only at the same world size (elsewhere there is no rank to give them to
 Crash safety: a checkpoint is written into ``.tmp-step_<n>/`` and renamed to ``step_<n>/`` by
 rank 0 once DCP has finished (its ``.metadata`` is written last, after every rank's data); a
 process killed mid-save leaves only a temporary folder, which ``latest()`` never returns and
-the next save deletes. ``keep`` complete checkpoints are kept, the older ones deleted (damaged folders among
-them too: a step folder without ``.metadata``, which nothing resumes from). A run resumed
-from an earlier checkpoint (``load(path=...)``) that saves again renames the later ones
-``abandoned-step_<n>/`` (the one of the step it saves, too): they are kept, but never resumed from or counted;
-a Checkpointer that has loaded nothing refuses to save into a folder holding checkpoints it did not write
-(another run's). Every rank must see the same folder (one node, or a shared filesystem across nodes).
+the next save deletes. A checkpoint is *whole* when its ``.metadata`` reads and every data file it names
+is there at the length it says; ``load()`` resumes from the newest whole one (warning of damaged ones
+after it; refusing where there are only damaged ones), and ``keep`` whole checkpoints are kept, every
+step folder before them deleted, damaged ones too. A run resumed from an earlier checkpoint of this
+folder (``load(path=...)``) that saves again renames every later one ``abandoned-step_<n>/``: they are
+kept, but never resumed from or counted; a Checkpointer that has loaded nothing from its folder refuses
+to save into it while it holds checkpoints it did not write (another run's). Every rank must see the same
+folder (one node, or a shared filesystem across nodes).
 ``train_state`` must be the same on every rank (it is saved once); an optimizer that has not stepped yet is
 saved without state. The optimizer's class and parameter groups are recorded, and ``load`` refuses an optimizer
 of another class or grouping (DCP would load the state by parameter name into it).
@@ -122,36 +124,50 @@ def _json_problem(value: Any, where: str, within: tuple = ()) -> Optional[str]:
             + (" (a NumPy or tensor scalar: .item() it)" if scalar else ""))
 
 
-def _check_train_state(train_state: Dict[str, Any]) -> None:
-    """TypeError on every rank if ``train_state`` (with the step) holds what JSON would not give back (see
-    ``_json_problem``) on any rank, ValueError if it differs between ranks: it is saved once (rank 0's) and every
-    rank gets that back, so a per-rank value (a rank's own data position) would silently become rank 0's."""
-    problem = _json_problem(train_state, "train_state")
-    if not problem:
-        try:  # what the walk passes can still fail to encode (an int of more digits than Python writes)
-            encoded = json.dumps(train_state, sort_keys=True)
-        except (ValueError, RecursionError) as e:
-            problem = f"train_state cannot be written as JSON ({type(e).__name__}: {e})"
-    if _world() == 1:
-        if problem:
-            raise TypeError(f"{problem}; train_state holds dicts with string keys, lists, strings, numbers, bools "
-                            "and None")
-        return
-    states: List[Any] = [None] * _world()  # gathered even where this rank's is refused: no rank waits alone
-    dist.all_gather_object(states, (problem, None if problem else encoded))
+def _check_save_arguments(step: Any, train_state: Optional[Dict[str, Any]]) -> None:
+    """Raise on every rank if any rank's ``step`` is not an int >= 0 or its ``train_state`` sets a key the checkpoint
+    records itself (ValueError) or holds what JSON would not give back (TypeError; see ``_json_problem``), and
+    ValueError if they differ between ranks: they are saved once (rank 0's) and every rank gets that back, so a
+    per-rank value (a rank's own data position) would silently become rank 0's. One collective: a rank that
+    raised alone would leave the others waiting in the next."""
+    problem, encoded = None, None
+    reserved = sorted({"step", "world_size", "time", LAYOUT} & set(train_state or {}))
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        problem = ("ValueError", f"step must be an int >= 0, got {step!r}")
+    elif reserved:
+        problem = ("ValueError", f"train_state may not set {reserved}: the checkpoint records them itself")
+    else:
+        state = {"step": int(step), **(train_state or {})}
+        found = _json_problem(state, "train_state")
+        if not found:
+            try:  # what the walk passes can still fail to encode (an int of more digits than Python writes)
+                encoded = json.dumps(state, sort_keys=True)
+            except (ValueError, RecursionError) as e:
+                found = f"train_state cannot be written as JSON ({type(e).__name__}: {e})"
+        if found:
+            problem = ("TypeError", f"{found}; train_state holds dicts with string keys, lists, strings, numbers, "
+                                    "bools and None")
+    states: List[Any] = [(problem, encoded)]
+    if _world() > 1:  # gathered even where this rank's is refused: no rank waits alone
+        states = [None] * _world()
+        dist.all_gather_object(states, (problem, encoded))
     refused = [(rank, p) for rank, (p, _) in enumerate(states) if p]
     if refused:
-        rank, problem = refused[0]
-        raise TypeError(f"rank {rank}'s {problem}; train_state holds dicts with string keys, lists, strings, numbers, "
-                        "bools and None")
+        rank, (kind, message) = refused[0]
+        raise (TypeError if kind == "TypeError" else ValueError)(
+            message if len(states) == 1 else f"rank {rank}'s {message}")
     if any(other != states[0] for other in states):
         decoded = [json.loads(state) for _, state in states]
         # compared as written, not as Python values: True and 1 (or 1 and 1.0) are equal but saved differently
-        written = lambda d, k: json.dumps(d[k], sort_keys=True) if k in d else None
+        def written(d, k):
+            return json.dumps(d[k], sort_keys=True) if k in d else "(missing)"
+
         keys = sorted({k for d in decoded for k in set(d) | set(decoded[0]) if written(d, k) != written(decoded[0], k)})
-        raise ValueError(f"save()'s step and train_state differ between ranks in {keys}: they are saved once and "
-                         "every rank gets rank 0's back; keep per-rank positions derivable from shared values (e.g. "
-                         "the samples seen in all)")
+        rank = next(r for r, d in enumerate(decoded) if written(d, keys[0]) != written(decoded[0], keys[0]))
+        raise ValueError(f"save()'s step and train_state differ between ranks in {keys} ({keys[0]!r}: rank 0 "
+                         f"{written(decoded[0], keys[0])[:60]}, rank {rank} {written(decoded[rank], keys[0])[:60]}): "
+                         "they are saved once and every rank gets rank 0's back; keep per-rank positions derivable "
+                         "from shared values (e.g. the samples seen in all)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -250,9 +266,16 @@ def _layout_change(saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _short_data_files(path: Path, metadata) -> List[str]:
-    """The data files of checkpoint ``path`` that are missing or shorter than its ``.metadata`` says (truncated by a
-    full disk or a partial copy), each as "<file> (<what>)"."""
+def _read_checkpoint(path: Path):
+    """The DCP metadata of checkpoint ``path``; FileNotFoundError without a ``.metadata``, RuntimeError where it
+    cannot be read or a data file is missing or shorter than it says (truncated by a full disk or a partial copy:
+    DCP's own error names neither file nor checkpoint, a zip reader's "central directory")."""
+    if not (path / ".metadata").exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001  a truncated or foreign .metadata: name the checkpoint
+        raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
     needed: Dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         name = getattr(info, "relative_path", None)
@@ -260,10 +283,12 @@ def _short_data_files(path: Path, metadata) -> List[str]:
             needed[name] = max(needed.get(name, 0), info.offset + info.length)
     short = []
     for name, size in sorted(needed.items()):
-        have = (path / name).stat().st_size if (path / name).exists() else None
+        have = (path / name).stat().st_size if (path / name).is_file() else None
         if have is None or have < size:
             short.append(f"{name} ({'missing' if have is None else f'{have} bytes, {size} expected'})")
-    return short
+    if short:
+        raise RuntimeError(f"{path} is damaged: {'; '.join(short)}")
+    return metadata
 
 
 def _first_failure(error: "CheckpointException") -> str:
@@ -317,11 +342,22 @@ class Checkpointer:
         if not self.dir.is_dir():
             return []
         named = ((p, p.name[len(PREFIX):]) for p in self.dir.glob(f"{PREFIX}*") if p.is_dir())
-        return sorted((int(n), p) for p, n in named if n.isdigit())
+        return sorted((int(n), p) for p, n in named if n.isascii() and n.isdigit())
 
     def latest(self) -> Optional[Path]:
-        found = self.checkpoints()
-        return found[-1][1] if found else None
+        """The checkpoint ``load()`` resumes from: the newest whole one (None if there is none)."""
+        return self._newest_whole()[0]
+
+    def _newest_whole(self) -> Tuple[Optional[Path], Any, List[str]]:
+        """(folder, DCP metadata) of the newest whole checkpoint (``_read_checkpoint``), or (None, None), and the
+        errors of the damaged folders after it."""
+        damaged = []
+        for _, path in reversed(self._step_folders()):
+            try:
+                return path, _read_checkpoint(path), damaged
+            except (FileNotFoundError, RuntimeError) as e:
+                damaged.append(str(e))
+        return None, None, damaged
 
     def train_state(self, path=None) -> Optional[Dict[str, Any]]:
         """The train state (``step``, ``world_size`` and what ``save`` was given) of the latest (or ``path``'s)
@@ -343,8 +379,7 @@ class Checkpointer:
         default: the Checkpointer's) it returns once the state is staged in host memory. ValueError for a step
         that is not an int >= 0, or a step or ``train_state`` that differs between ranks, TypeError for a
         ``train_state`` that JSON would not give back as it is (before anything is written)."""
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        _check_save_arguments(step, train_state)
         self.wait()
         # Checkpoints of a line this Checkpointer did not load from (another run's) are never replaced, set aside or
         # joined (a second Checkpointer of one run: save through the first, with async_save per call)
@@ -361,13 +396,9 @@ class Checkpointer:
             for stale in self.dir.glob(f"{TMP}*"):  # left by a save that was killed
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
-        reserved = {"step", "world_size", "time", LAYOUT} & set(train_state or {})
-        if reserved:
-            raise ValueError(f"train_state may not set {sorted(reserved)}: the checkpoint records them itself")
         info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
         if optimizer is not None:
             info[LAYOUT] = _optimizer_layout(model, optimizer)
-        _check_train_state({"step": int(step), **(train_state or {})})
         diverged = _diverged_buffers(model)
         if diverged and _rank() == 0:
             logger.warning("buffers differ between ranks (%s%s): the checkpoint keeps one rank's copy, and a resume "
@@ -426,27 +457,37 @@ class Checkpointer:
             old = final.with_name(f"{TMP}old-{final.name}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-        # the old line's checkpoints from this step on, complete or damaged (no .metadata)
-        later = [(n, path) for n, path in self._step_folders() if n >= step]
-        for n, path in later:  # a run resumed from an earlier checkpoint: the later ones are another line now
+        # the old line's checkpoints from this step on and, after a resume, from the step resumed from on (not this
+        # line's own), complete or damaged
+        resumed = self._resumed_from
+        later = [(n, path) for n, path in self._step_folders()
+                 if n >= step or (resumed is not None and n > resumed and n not in self._saved)]
+        for n, path in later:
             aside, again = path.with_name(f"{ABANDONED}{path.name}"), 1
             while aside.exists():  # abandoned before, by another rollback
                 aside, again = path.with_name(f"{ABANDONED}{again}-{path.name}"), again + 1
             os.replace(path, aside)
         if later:
-            logger.warning("step %d saved after resuming from an earlier checkpoint: the later checkpoint(s) of "
-                           "steps %s are renamed %s* (kept, and never resumed from or pruned)", step,
-                           ", ".join(str(n) for n, _ in later), ABANDONED)
+            logger.warning("step %d saved %s: the folder(s) of steps %s are renamed %s* (kept, and never resumed from "
+                           "or pruned)", step, f"after resuming from step {resumed}" if resumed is not None else
+                           "beside damaged ones of later steps", ", ".join(str(n) for n, _ in later), ABANDONED)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        complete = self.checkpoints()
-        if self.keep is not None and len(complete) > self.keep:
-            oldest_kept = complete[-self.keep][0]  # damaged folders before it go too (never resumed from)
-            for n, path in self._step_folders():
-                if n < oldest_kept:
-                    shutil.rmtree(path, ignore_errors=True)
+        if self.keep is not None:
+            kept = []  # the newest `keep` whole checkpoints; folders before them go, damaged ones too
+            for n, path in reversed(self.checkpoints()):
+                try:
+                    _read_checkpoint(path)
+                except (FileNotFoundError, RuntimeError):
+                    continue
+                kept.append(n)
+                if len(kept) == self.keep:
+                    for m, older in self._step_folders():
+                        if m < n:
+                            shutil.rmtree(older, ignore_errors=True)
+                    break
 
     def wait(self) -> None:
         """Block until a pending asynchronous save is written and published (re-raises its error)."""
@@ -479,26 +520,20 @@ class Checkpointer:
         in place, restore RNG states (same world size only), and return its train state (``step``,
         ``world_size`` and what ``save`` was given); None when there is no checkpoint."""
         self.wait()
-        if path is None:
-            complete = self.checkpoints()
-            latest = complete[-1][0] if complete else -1
-            broken = [p.name for n, p in self._step_folders() if n > latest and not (p / ".metadata").exists()]
-            if broken:  # complete ones are renamed into place: a folder without .metadata was damaged since
-                logger.warning("%s: %s lack .metadata (damaged): resuming from the latest complete checkpoint before "
-                               "them", self.dir, ", ".join(broken))
-        path = Path(path) if path is not None else self.latest()
+        if path is not None:
+            path = Path(path)
+            metadata = _read_checkpoint(path)
+        else:
+            path, metadata, damaged = self._newest_whole()
+            if damaged and path is None:  # starting from scratch would silently restart the run
+                raise RuntimeError(f"{self.dir} holds no checkpoint to resume from, only damaged ones: "
+                                   f"{'; '.join(damaged)}; move them away to start from scratch, or repair them")
+            if damaged:
+                logger.warning("damaged checkpoints: %s; resuming from %s, the latest whole one before them",
+                               "; ".join(damaged), path.name)
         if path is None:
             logger.info("no checkpoint in %s: starting from scratch", self.dir)
             return None
-        if not (path / ".metadata").exists():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
-        try:
-            metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        except Exception as e:  # noqa: BLE001  a truncated or foreign .metadata: name the checkpoint
-            raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
-        short = _short_data_files(path, metadata)
-        if short:  # DCP's own error names neither file nor checkpoint (a zip reader's "central directory")
-            raise RuntimeError(f"{path} is damaged: {'; '.join(short)}")
         saved = set(metadata.state_dict_metadata)
         t0 = time.perf_counter()
         with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
@@ -542,7 +577,9 @@ class Checkpointer:
         else:
             logger.warning("checkpoint written by %s rank(s), resumed on %d: model, optimizer and data position "
                            "restored (resharded), random generator states not", info.get("world_size"), _world())
-        self._resumed_from = info["step"]
+        # a run's line continues from a checkpoint of this folder; one loaded from elsewhere (a warm start) does not
+        # make this folder's other checkpoints this run's
+        self._resumed_from = info["step"] if path.resolve().parent == self.dir.resolve() else None
         self._saved = set()  # what it wrote before is the abandoned line now: a save of such a step sets it aside
         logger.info("resumed from %s (step %d) in %.1f s", path, info["step"], time.perf_counter() - t0)
         return info

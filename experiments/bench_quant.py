@@ -396,34 +396,45 @@ def measure_prefill(results: Results, size: str, tokens: Tuple[int, int], args, 
             _report_failure(results, dict(keys, provider=name), ["wall"], e)
         return
 
+    def prepared(prepare, stock):
+        model, info = prepare(stock)
+        model.eval()
+
+        def step(model=model):
+            with torch.no_grad():
+                return model(ids).logits
+        return step, info
+
+    timed = []
     for name, prepare in providers.items():
-        model = step = out = None
+        step = out = None
         try:
-            model, info = prepare(stock)
-            model.eval()
-
-            def step(model=model):
-                with torch.no_grad():
-                    return model(ids).logits
-
+            step, info = prepared(prepare, stock)
             out = step()  # the first call: autotuning at the timed shape
             err = rel_error(out[0], ref)
             out = None
             timing = time_call(step, "wall", rep_ms=args.rep_ms)
             results.record(**keys, provider=name, metric="ms", value=timing, **info)
             results.record(**keys, provider=name, metric="rel err", value=err)
+            timed.append(name)
         except Exception as e:  # noqa: BLE001  out of memory, no fp8 tensor cores, a layer that would not quantize
             _report_failure(results, dict(keys, provider=name), ["wall"], e)
-        else:
-            if args.profile:  # after the measurement: a profiler error loses the profile, not the timing
-                try:
-                    table = kernel_table(step, steps=2)
-                except Exception as e:  # noqa: BLE001
-                    table = f"(no profile: {type(e).__name__}: {e})"
-                print(f"\n{keys['shape']}, {name}: where a forward's GPU time goes\n{table}")
         finally:
-            del model, step, out  # the stock model stays: the next provider is prepared from it
+            del step, out  # the stock model stays: the next provider is prepared from it
             _empty_cache(device)
+    # Profiled after every provider was timed: launches after a profiler session in the process run slower
+    # (docs/notes/host_path.md), and a profiler error loses no timing
+    for name in timed if args.profile else []:
+        step = None
+        try:
+            step, _ = prepared(providers[name], stock)
+            table = kernel_table(step, steps=2)
+        except Exception as e:  # noqa: BLE001
+            table = f"(no profile: {type(e).__name__}: {e})"
+        finally:
+            del step
+            _empty_cache(device)
+        print(f"\n{keys['shape']}, {name}: where a forward's GPU time goes\n{table}")
     del stock, ref
     _empty_cache(device)
 

@@ -814,7 +814,12 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     assert res.value(op="fp8 gemm", provider="fuselab fp8", mode="eager", metric="rel err") < 1e-2
 
     args.providers = {"prefill": ["fuselab bf16", "int8 dynamic"]}
+    events = []  # --profile: every provider timed before any is profiled (a profiler session slows later launches)
+    monkeypatch.setattr(bench_quant, "time_call", lambda fn, mode, **kw: events.append("time") or one_call(fn, mode))
+    monkeypatch.setattr(bench_quant, "kernel_table", lambda fn, steps: events.append("profile") or "table")
+    args.profile = True
     bench_quant.measure_prefill(res, "tiny", (1, 8), args, device="cpu")
+    assert events == ["time", "time", "profile", "profile"], events
     assert not [f for f in res.failed if f["op"] == "prefill"], res.failed
     rows = res.select(op="prefill", metric="ms")
     assert {r["provider"] for r in rows} == {"fuselab bf16", "int8 dynamic"} and {r["mode"] for r in rows} == {"wall"}

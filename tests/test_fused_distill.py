@@ -297,3 +297,16 @@ def test_a_padding_row_masked_in_both_logits_has_no_gradient(device, fused, alph
     soft = alpha * DistillationLoss(2.0, 1.0)(s[alive].double(), t[alive].double(), y[alive])
     torch.testing.assert_close(loss.double(), want - soft / 4, rtol=1e-5, atol=1e-6)  # the soft mean is over 4 rows
     assert not s1.grad[2].any() and s1.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [False, True], ids=["pytorch", "fused"])
+def test_at_alpha_0_the_teacher_is_not_in_the_graph(device, fused):
+    # Only the teacher requiring grad: the PyTorch form's loss had no graph, the fused one's had (a zero gradient)
+    s, t = logits(4, 10, device)
+    y = torch.randint(0, 10, (4,), device=device)
+    loss = DistillationLoss(2.0, 0.0, fused=fused)(s, t.requires_grad_(), y)
+    assert not loss.requires_grad
+    s.requires_grad_()
+    DistillationLoss(2.0, 0.0, fused=fused)(s, t, y).backward()
+    assert t.grad is None and s.grad.isfinite().all()

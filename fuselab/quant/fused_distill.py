@@ -311,6 +311,8 @@ def fused_distillation_loss(student: torch.Tensor, teacher: torch.Tensor, target
     differentiable in both logits. Under forward-mode AD and ``torch.func`` transforms the PyTorch form
     computes it (a custom op has no tangent rule), so tangents and transformed results are PyTorch's."""
     temperature, alpha = check_hyperparameters(temperature, alpha)
+    if alpha == 0.0:  # no soft term: the teacher takes no part in the loss's graph (the PyTorch form's too)
+        teacher = teacher.detach()
     if (execution_path(student) is not ExecutionPath.TRITON or execution_path(teacher) is not ExecutionPath.TRITON
             or (not torch.compiler.is_compiling() and beyond_custom_ops())):
         check_logits(student, teacher, target)  # the kernels' path checks them in the op (_check)

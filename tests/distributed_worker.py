@@ -209,6 +209,11 @@ def check_edges(rt, out_dir):
         out["rank1_reserved"] = "saved"
     except ValueError as e:
         out["rank1_reserved"] = str(e)
+    try:  # async on rank 1 only: the ranks would wait in different collectives
+        fd.Checkpointer(out_dir / "edges-async", keep=None).save(1, model, async_save=rt.rank == 1)
+        out["async_mismatch"] = "saved"
+    except ValueError as e:
+        out["async_mismatch"] = str(e)
     try:
         fd.Checkpointer(out_dir / "edges-step", keep=None).save(10 + rt.rank, model)
         out["per_rank_step"] = "saved"

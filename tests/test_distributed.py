@@ -146,6 +146,7 @@ def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     assert "differ between ranks in ['step']" in edges["per_rank_step"]
     assert "differ between ranks in ['flag'] ('flag': rank 0 true, rank 1 1)" in edges["encoded_train_state"]
     assert "rank 1's train_state may not set ['time']" in edges["rank1_reserved"], edges
+    assert "async_save differs between ranks ([False, True])" in edges["async_mismatch"], edges
     # refused on rank 0 only: both ranks raise (rank 1 waiting alone in the collective would hang the run)
     assert "rank 0's train_state['position'] is a builtins.tuple" in edges["rank0_json_train_state"], edges
     # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
@@ -464,6 +465,36 @@ gap.load(model, path=gap.dir / "step_00000010")
 gap.save(25, model)
 gap.save(40, model)  # this line's own 25 stays
 print("gap", " ".join(sorted(p.name for p in gap.dir.iterdir())))
+# Resumed from 40, saving 40 again (a loop that saves at its first step): replaced, no abandoned copy each restart
+again40 = fd.Checkpointer(sys.argv[1] + "-gap", keep=None)
+again40.load(model)
+again40.save(40, model)
+print("resave", " ".join(sorted(p.name for p in gap.dir.iterdir())))
+# A relative folder stays where it was made (a later os.chdir moved the next save elsewhere)
+import os
+home = os.getcwd()
+os.chdir(sys.argv[1] + "-gap")
+rel = fd.Checkpointer("rel", keep=None)
+os.chdir(home)
+rel.save(1, model)
+print("chdir", (gap.dir / "rel" / "step_00000001").is_dir())
+# A step folder that is a link into another folder is resumed from as this folder's (it was a warm start: refused)
+linked = fd.Checkpointer(sys.argv[1] + "-linked", keep=None)
+(linked.dir / "step_00000009").symlink_to(gap.dir / "step_00000040")
+linked.load(model)
+print("linked", linked.save(10, model).name)
+# An empty info.json (written last, before the rename): not whole, the checkpoint before it is resumed from
+(gap.dir / "step_00000040" / "info.json").write_text("")
+print("info", again40.latest().name)
+# The .metadata of a kept checkpoint is parsed once, not at every save's pruning
+from torch.distributed.checkpoint import FileSystemReader
+reads, read = [], FileSystemReader.read_metadata
+FileSystemReader.read_metadata = lambda self: reads.append(1) or read(self)
+cached = fd.Checkpointer(sys.argv[1] + "-cached", keep=2)
+for step in range(1, 6):
+    cached.save(step, model)
+FileSystemReader.read_metadata = read
+print("reads", len(reads))
 try:
     ck.save(-1, model)
 except ValueError as e:
@@ -612,13 +643,17 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
                   "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged",
-                  "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap"))
+                  "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap",
+                  "resave", "chdir", "linked", "info", "reads"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
     assert lines["unstepped"] == "0 0", lines
     assert lines["rollback"] == "True step_00000250 abandoned-step_00000300 step_00000200 step_00000250", lines
     assert lines["gap"] == "abandoned-step_00000020 abandoned-step_00000030 step_00000010 step_00000025 step_00000040", lines
+    assert lines["resave"] == "abandoned-step_00000020 abandoned-step_00000030 step_00000010 step_00000025 step_00000040"
+    assert lines["chdir"] == "True" and lines["linked"] == "step_00000010" and lines["info"] == "step_00000025", lines
+    assert lines["reads"] == "5", lines  # each new checkpoint's .metadata once
     assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines
     assert "step must be an int >= 0, got -1" in lines["negative"], lines
     assert "was written but not published" in lines["async"] and "No space left" in lines["async"], lines

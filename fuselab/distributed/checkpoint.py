@@ -21,8 +21,9 @@ is there at the length it says; ``load()`` resumes from the newest whole one (wa
 after it; refusing where there are only damaged ones), and ``keep`` whole checkpoints are kept, every
 step folder before them deleted, damaged ones too. A run resumed from an earlier checkpoint of this
 folder (``load(path=...)``) that saves again renames every later one ``abandoned-step_<n>/``: they are
-kept, but never resumed from or counted; a Checkpointer that has loaded nothing from its folder refuses
-to save into it while it holds checkpoints it did not write (another run's). Every rank must see the same
+kept, but never resumed from or counted (the resumed step saved again is replaced); a Checkpointer that has
+loaded nothing from its folder refuses to save into it while it holds checkpoints it did not write (another
+run's). A relative folder is fixed when the Checkpointer is made. Every rank must see the same
 folder (one node, or a shared filesystem across nodes).
 ``train_state`` must be the same on every rank (it is saved once); an optimizer that has not stepped yet is
 saved without state. The optimizer's class and parameter groups are recorded, and ``load`` refuses an optimizer
@@ -124,11 +125,12 @@ def _json_problem(value: Any, where: str, within: tuple = ()) -> Optional[str]:
             + (" (a NumPy or tensor scalar: .item() it)" if scalar else ""))
 
 
-def _check_save_arguments(step: Any, train_state: Optional[Dict[str, Any]]) -> None:
+def _check_save_arguments(step: Any, train_state: Optional[Dict[str, Any]], asynchronous: bool) -> None:
     """Raise on every rank if any rank's ``step`` is not an int >= 0 or its ``train_state`` sets a key the checkpoint
     records itself (ValueError) or holds what JSON would not give back (TypeError; see ``_json_problem``), and
     ValueError if they differ between ranks: they are saved once (rank 0's) and every rank gets that back, so a
-    per-rank value (a rank's own data position) would silently become rank 0's. One collective: a rank that
+    per-rank value (a rank's own data position) would silently become rank 0's; also if ``asynchronous`` (the
+    save's async_save) differs (the ranks would wait in different collectives). One collective: a rank that
     raised alone would leave the others waiting in the next."""
     problem, encoded = None, None
     reserved = sorted({"step", "world_size", "time", LAYOUT} & set(train_state or {}))
@@ -147,17 +149,20 @@ def _check_save_arguments(step: Any, train_state: Optional[Dict[str, Any]]) -> N
         if found:
             problem = ("TypeError", f"{found}; train_state holds dicts with string keys, lists, strings, numbers, "
                                     "bools and None")
-    states: List[Any] = [(problem, encoded)]
+    states: List[Any] = [(problem, encoded, asynchronous)]
     if _world() > 1:  # gathered even where this rank's is refused: no rank waits alone
         states = [None] * _world()
-        dist.all_gather_object(states, (problem, encoded))
-    refused = [(rank, p) for rank, (p, _) in enumerate(states) if p]
+        dist.all_gather_object(states, (problem, encoded, asynchronous))
+    refused = [(rank, p) for rank, (p, _, _) in enumerate(states) if p]
     if refused:
         rank, (kind, message) = refused[0]
         raise (TypeError if kind == "TypeError" else ValueError)(
             message if len(states) == 1 else f"rank {rank}'s {message}")
-    if any(other != states[0] for other in states):
-        decoded = [json.loads(state) for _, state in states]
+    if any(a != states[0][2] for _, _, a in states):
+        raise ValueError(f"save()'s async_save differs between ranks ({[a for _, _, a in states]}): every rank must "
+                         "save the same way")
+    if any(other[1] != states[0][1] for other in states):
+        decoded = [json.loads(state) for _, state, _ in states]
         # compared as written, not as Python values: True and 1 (or 1 and 1.0) are equal but saved differently
         def written(d, k):
             return json.dumps(d[k], sort_keys=True) if k in d else "(missing)"
@@ -266,29 +271,26 @@ def _layout_change(saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _read_checkpoint(path: Path):
-    """The DCP metadata of checkpoint ``path``; FileNotFoundError without a ``.metadata``, RuntimeError where it
-    cannot be read or a data file is missing or shorter than it says (truncated by a full disk or a partial copy:
-    DCP's own error names neither file nor checkpoint, a zip reader's "central directory")."""
-    if not (path / ".metadata").exists():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata)")
-    try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001  a truncated or foreign .metadata: name the checkpoint
-        raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
+def _data_sizes(metadata) -> Dict[str, int]:
+    """The length each data file of a checkpoint must have, from its DCP metadata (file name -> bytes)."""
     needed: Dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         name = getattr(info, "relative_path", None)
         if name is not None:
             needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    return needed
+
+
+def _short_files(path: Path, needed: Dict[str, int]) -> Optional[str]:
+    """What is missing from checkpoint ``path`` given its data files' lengths (truncated by a full disk or a
+    partial copy: DCP's own error names neither file nor checkpoint, a zip reader's "central directory"), or
+    None."""
     short = []
-    for name, size in sorted(needed.items()):
+    for name, size in sorted({**needed, INFO: 1}.items()):
         have = (path / name).stat().st_size if (path / name).is_file() else None
         if have is None or have < size:
             short.append(f"{name} ({'missing' if have is None else f'{have} bytes, {size} expected'})")
-    if short:
-        raise RuntimeError(f"{path} is damaged: {'; '.join(short)}")
-    return metadata
+    return f"{path} is damaged: {'; '.join(short)}" if short else None
 
 
 def _first_failure(error: "CheckpointException") -> str:
@@ -316,13 +318,14 @@ class Checkpointer:
     def __init__(self, directory, *, keep: Optional[int] = 3, async_save: bool = False):
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 (or None: keep all), got {keep}")
-        self.dir = Path(directory)
+        self.dir = Path(directory).absolute()  # fixed here: a later os.chdir does not move it
         self.keep = keep
         self.async_save = async_save
         self._pending: Optional[Tuple[Any, Path, Path, threading.Event]] = None
         self._group = None
         self._resumed_from: Optional[int] = None  # the step load() restored: this run's line starts there
         self._saved: set = set()  # steps this Checkpointer wrote
+        self._sizes: Dict[Path, Tuple[tuple, Dict[str, int]]] = {}  # folder -> (its .metadata's stat, _data_sizes)
         if _rank() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
         if async_save and dist.is_initialized():
@@ -348,16 +351,33 @@ class Checkpointer:
         """The checkpoint ``load()`` resumes from: the newest whole one (None if there is none)."""
         return self._newest_whole()[0]
 
-    def _newest_whole(self) -> Tuple[Optional[Path], Any, List[str]]:
-        """(folder, DCP metadata) of the newest whole checkpoint (``_read_checkpoint``), or (None, None), and the
-        errors of the damaged folders after it."""
+    def _newest_whole(self) -> Tuple[Optional[Path], List[str]]:
+        """The newest whole checkpoint (``_problem``), or None, and what is wrong with the folders after it."""
         damaged = []
         for _, path in reversed(self._step_folders()):
+            problem = self._problem(path)
+            if problem is None:
+                return path, damaged
+            damaged.append(problem[1])
+        return None, damaged
+
+    def _problem(self, path: Path) -> Optional[Tuple[type, str]]:
+        """None where checkpoint ``path`` is whole: its ``.metadata`` reads, and its data files and info.json are
+        there at their lengths; else (the exception to raise, its message). A ``.metadata`` is parsed once per
+        version (a large model's is megabytes: every save's pruning and ``latest()`` check checkpoints)."""
+        meta = path / ".metadata"
+        if not meta.is_file():
+            return FileNotFoundError, f"{path} is not a complete checkpoint (no .metadata)"
+        st = meta.stat()
+        version = (st.st_mtime_ns, st.st_size, st.st_ino)
+        cached = self._sizes.get(path)
+        if cached is None or cached[0] != version:
             try:
-                return path, _read_checkpoint(path), damaged
-            except (FileNotFoundError, RuntimeError) as e:
-                damaged.append(str(e))
-        return None, None, damaged
+                cached = self._sizes[path] = (version, _data_sizes(dcp.FileSystemReader(str(path)).read_metadata()))
+            except Exception as e:  # noqa: BLE001  a truncated or foreign .metadata: name the checkpoint
+                return RuntimeError, f"could not read {meta}: {type(e).__name__}: {e}"
+        short = _short_files(path, cached[1])
+        return (RuntimeError, short) if short else None
 
     def train_state(self, path=None) -> Optional[Dict[str, Any]]:
         """The train state (``step``, ``world_size`` and what ``save`` was given) of the latest (or ``path``'s)
@@ -379,7 +399,8 @@ class Checkpointer:
         default: the Checkpointer's) it returns once the state is staged in host memory. ValueError for a step
         that is not an int >= 0, or a step or ``train_state`` that differs between ranks, TypeError for a
         ``train_state`` that JSON would not give back as it is (before anything is written)."""
-        _check_save_arguments(step, train_state)
+        asynchronous = self.async_save if async_save is None else bool(async_save)
+        _check_save_arguments(step, train_state, asynchronous)
         self.wait()
         # Checkpoints of a line this Checkpointer did not load from (another run's) are never replaced, set aside or
         # joined (a second Checkpointer of one run: save through the first, with async_save per call)
@@ -416,7 +437,7 @@ class Checkpointer:
         if scheduler is not None:
             state["scheduler"] = pickle.dumps(scheduler.state_dict())
         t0 = time.perf_counter()
-        if self.async_save if async_save is None else async_save:
+        if asynchronous:
             if self._group is None and dist.is_initialized():  # every rank takes this branch: a collective is fine
                 self._group = dist.new_group(backend="gloo")
             response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
@@ -450,7 +471,10 @@ class Checkpointer:
     def _commit(self, tmp: Path, final: Path, info: Dict[str, Any], own: bool) -> None:
         """Rank 0, after DCP finished: publish ``tmp`` as ``final`` (atomic rename), prune old ones. ``own``: a
         checkpoint of this step already there is this Checkpointer's (replaced), not an abandoned line's."""
-        (tmp / INFO).write_text(json.dumps(info, indent=1))
+        with open(tmp / INFO, "w") as f:  # DCP syncs its files; this one too (a whole checkpoint needs it)
+            f.write(json.dumps(info, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
         old = None
         step = info["step"]
         if final.exists() and own:  # the same step saved again: move the old one aside first
@@ -468,9 +492,9 @@ class Checkpointer:
                 aside, again = path.with_name(f"{ABANDONED}{again}-{path.name}"), again + 1
             os.replace(path, aside)
         if later:
-            logger.warning("step %d saved %s: the folder(s) of steps %s are renamed %s* (kept, and never resumed from "
-                           "or pruned)", step, f"after resuming from step {resumed}" if resumed is not None else
-                           "beside damaged ones of later steps", ", ".join(str(n) for n, _ in later), ABANDONED)
+            since = f" after resuming from step {resumed}" if resumed is not None else ""
+            logger.warning("step %d saved%s: the later folder(s) of steps %s are renamed %s* (kept, and never resumed "
+                           "from or pruned)", step, since, ", ".join(str(n) for n, _ in later), ABANDONED)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
         if old is not None:
@@ -478,9 +502,7 @@ class Checkpointer:
         if self.keep is not None:
             kept = []  # the newest `keep` whole checkpoints; folders before them go, damaged ones too
             for n, path in reversed(self.checkpoints()):
-                try:
-                    _read_checkpoint(path)
-                except (FileNotFoundError, RuntimeError):
+                if self._problem(path) is not None:
                     continue
                 kept.append(n)
                 if len(kept) == self.keep:
@@ -518,13 +540,22 @@ class Checkpointer:
              path=None) -> Optional[Dict[str, Any]]:
         """Load the latest (or ``path``'s) checkpoint into ``model``/``optimizer``/``scheduler``
         in place, restore RNG states (same world size only), and return its train state (``step``,
-        ``world_size`` and what ``save`` was given); None when there is no checkpoint."""
+        ``world_size`` and what ``save`` was given); None when there is no checkpoint.
+
+        A load is a resume: this run continues from the loaded step (from a checkpoint of this folder, the next
+        save sets the later ones aside; saving the loaded step again replaces it) and this process's random
+        generators continue from theirs. To read a checkpoint into another model (an evaluation), use another
+        Checkpointer, in another process where the generators matter."""
         self.wait()
+        own = path is None  # this folder's checkpoint (a resume of this run), or another's (a warm start)
         if path is not None:
             path = Path(path)
-            metadata = _read_checkpoint(path)
+            own = path.absolute().parent.resolve() == self.dir.resolve()  # a linked step folder is this folder's
+            problem = self._problem(path)
+            if problem is not None:
+                raise problem[0](problem[1])
         else:
-            path, metadata, damaged = self._newest_whole()
+            path, damaged = self._newest_whole()
             if damaged and path is None:  # starting from scratch would silently restart the run
                 raise RuntimeError(f"{self.dir} holds no checkpoint to resume from, only damaged ones: "
                                    f"{'; '.join(damaged)}; move them away to start from scratch, or repair them")
@@ -534,7 +565,10 @@ class Checkpointer:
         if path is None:
             logger.info("no checkpoint in %s: starting from scratch", self.dir)
             return None
-        saved = set(metadata.state_dict_metadata)
+        try:
+            saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        except Exception as e:  # noqa: BLE001  changed since it was checked
+            raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
         t0 = time.perf_counter()
         with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
         layout = (self.train_state(path) or {}).get(LAYOUT) if with_optim else None
@@ -577,9 +611,11 @@ class Checkpointer:
         else:
             logger.warning("checkpoint written by %s rank(s), resumed on %d: model, optimizer and data position "
                            "restored (resharded), random generator states not", info.get("world_size"), _world())
-        # a run's line continues from a checkpoint of this folder; one loaded from elsewhere (a warm start) does not
-        # make this folder's other checkpoints this run's
-        self._resumed_from = info["step"] if path.resolve().parent == self.dir.resolve() else None
-        self._saved = set()  # what it wrote before is the abandoned line now: a save of such a step sets it aside
+        # A run's line continues from a checkpoint of this folder: what it wrote after that is another line now (a
+        # save of such a step sets it aside), and the step resumed from is this line's (saved again: replaced)
+        if own:
+            self._resumed_from, self._saved = info["step"], {info["step"]}
+        else:  # a warm start from another folder's: this folder's other checkpoints do not become this run's
+            self._resumed_from = None
         logger.info("resumed from %s (step %d) in %.1f s", path, info["step"], time.perf_counter() - t0)
         return info

@@ -457,6 +457,12 @@ roll.save(300, model)
 roll.load(model, path=roll.dir / "step_00000250")
 roll.save(260, model)  # a second rollback past a step abandoned before: both kept
 print("rollback2", " ".join(sorted(p.name for p in roll.dir.iterdir() if p.name.startswith("abandoned"))))
+# Two warm starts from another folder in one process: what this Checkpointer wrote between them stays its own
+warm2 = fd.Checkpointer(sys.argv[1] + "-warm2")
+warm2.load(model, path=fresh.dir / "step_00000000")
+warm2.save(3, model)
+warm2.load(model, path=fresh.dir / "step_00000000")
+print("warmtwice", warm2.save(4, model).name)
 # Resumed from 10 of 10, 20, 30, saving 25: the old line's 20 is set aside too (it stayed, counted and resumable)
 gap = fd.Checkpointer(sys.argv[1] + "-gap", keep=None)
 for step in (10, 20, 30):
@@ -644,7 +650,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
                   "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged",
                   "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap",
-                  "resave", "chdir", "linked", "info", "reads"))
+                  "resave", "chdir", "linked", "info", "reads", "warmtwice"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -653,6 +659,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["gap"] == "abandoned-step_00000020 abandoned-step_00000030 step_00000010 step_00000025 step_00000040", lines
     assert lines["resave"] == "abandoned-step_00000020 abandoned-step_00000030 step_00000010 step_00000025 step_00000040"
     assert lines["chdir"] == "True" and lines["linked"] == "step_00000010" and lines["info"] == "step_00000025", lines
+    assert lines["warmtwice"] == "step_00000004", lines
     assert lines["reads"] == "5", lines  # each new checkpoint's .metadata once
     assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines
     assert "step must be an int >= 0, got -1" in lines["negative"], lines

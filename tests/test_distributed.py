@@ -486,9 +486,9 @@ rel.save(1, model)
 print("chdir", (gap.dir / "rel" / "step_00000001").is_dir())
 # A step folder that is a link into another folder is resumed from as this folder's (it was a warm start: refused)
 linked = fd.Checkpointer(sys.argv[1] + "-linked", keep=None)
-(linked.dir / "step_00000009").symlink_to(gap.dir / "step_00000040")
-linked.load(model)
-print("linked", linked.save(10, model).name)
+(linked.dir / "step_00000040").symlink_to(gap.dir / "step_00000040")
+linked.load(model, path=linked.dir / "step_00000040")
+print("linked", linked.save(41, model).name)
 # An empty info.json (written last, before the rename): not whole, the checkpoint before it is resumed from
 (gap.dir / "step_00000040" / "info.json").write_text("")
 print("info", again40.latest().name)
@@ -538,6 +538,10 @@ for step in (1, 2, 3):
 again.load(model, path=again.dir / "step_00000001")
 again.save(2, model)
 print("rollback3", " ".join(sorted(p.name for p in again.dir.iterdir())))
+# Back to an abandoned line: saving its step sets this line's checkpoint of that step aside (it was replaced)
+again.load(model, path=again.dir / "abandoned-step_00000002")
+again.save(2, model)
+print("abandonedload", " ".join(sorted(p.name for p in again.dir.iterdir())))
 # Another optimizer class or grouping: DCP loaded the state by parameter name into it, silently
 def stepped(opt):
     model(torch.ones(2, 4)).sum().backward()
@@ -650,7 +654,8 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
                   "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged",
                   "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap",
-                  "resave", "chdir", "linked", "info", "reads", "warmtwice"))
+                  "resave", "chdir", "linked", "info", "reads", "warmtwice",
+                  "abandonedload"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -658,7 +663,9 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["rollback"] == "True step_00000250 abandoned-step_00000300 step_00000200 step_00000250", lines
     assert lines["gap"] == "abandoned-step_00000020 abandoned-step_00000030 step_00000010 step_00000025 step_00000040", lines
     assert lines["resave"] == "abandoned-step_00000020 abandoned-step_00000030 step_00000010 step_00000025 step_00000040"
-    assert lines["chdir"] == "True" and lines["linked"] == "step_00000010" and lines["info"] == "step_00000025", lines
+    assert lines["chdir"] == "True" and lines["linked"] == "step_00000041" and lines["info"] == "step_00000025", lines
+    assert lines["abandonedload"] == ("abandoned-1-step_00000002 abandoned-step_00000002 abandoned-step_00000003 "
+                                      "step_00000001 step_00000002"), lines
     assert lines["warmtwice"] == "step_00000004", lines
     assert lines["reads"] == "5", lines  # each new checkpoint's .metadata once
     assert lines["rollback2"] == "abandoned-1-step_00000300 abandoned-step_00000300", lines

@@ -175,6 +175,15 @@ def _check_save_arguments(step: Any, train_state: Optional[Dict[str, Any]], asyn
                          "from shared values (e.g. the samples seen in all)")
 
 
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a collective; the value itself where there is one process)."""
+    if _world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -287,7 +296,10 @@ def _short_files(path: Path, needed: Dict[str, int]) -> Optional[str]:
     None."""
     short = []
     for name, size in sorted({**needed, INFO: 1}.items()):
-        have = (path / name).stat().st_size if (path / name).is_file() else None
+        try:
+            have = (path / name).stat().st_size if (path / name).is_file() else None
+        except OSError:  # gone meanwhile
+            have = None
         if have is None or have < size:
             short.append(f"{name} ({'missing' if have is None else f'{have} bytes, {size} expected'})")
     return f"{path} is damaged: {'; '.join(short)}" if short else None
@@ -337,7 +349,8 @@ class Checkpointer:
     # -- finding checkpoints ------------------------------------------------------------------
 
     def checkpoints(self) -> List[Tuple[int, Path]]:
-        """(step, folder) of every complete checkpoint, oldest first."""
+        """(step, folder) of every checkpoint with a ``.metadata``, oldest first (``latest()``: the newest whole
+        one, which ``load()`` resumes from)."""
         return [(n, p) for n, p in self._step_folders() if (p / ".metadata").exists()]
 
     def _step_folders(self) -> List[Tuple[int, Path]]:
@@ -363,13 +376,14 @@ class Checkpointer:
 
     def _problem(self, path: Path) -> Optional[Tuple[type, str]]:
         """None where checkpoint ``path`` is whole: its ``.metadata`` reads, and its data files and info.json are
-        there at their lengths; else (the exception to raise, its message). A ``.metadata`` is parsed once per
-        version (a large model's is megabytes: every save's pruning and ``latest()`` check checkpoints)."""
+        there at their lengths; else (the exception to raise, its message). Pruning and ``latest()`` parse a
+        ``.metadata`` once per version (a large model's is megabytes; ``load`` reads the one it loads again)."""
         meta = path / ".metadata"
-        if not meta.is_file():
+        try:  # a folder renamed or pruned meanwhile (rank 0's commit) reads as missing, not as an OSError
+            st = meta.stat()
+        except OSError:
             return FileNotFoundError, f"{path} is not a complete checkpoint (no .metadata)"
-        st = meta.stat()
-        version = (st.st_mtime_ns, st.st_size, st.st_ino)
+        version = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
         cached = self._sizes.get(path)
         if cached is None or cached[0] != version:
             try:
@@ -491,24 +505,25 @@ class Checkpointer:
             while aside.exists():  # abandoned before, by another rollback
                 aside, again = path.with_name(f"{ABANDONED}{again}-{path.name}"), again + 1
             os.replace(path, aside)
+            self._sizes.pop(path, None)
         if later:
             since = f" after resuming from step {resumed}" if resumed is not None else ""
             logger.warning("step %d saved%s: the later folder(s) of steps %s are renamed %s* (kept, and never resumed "
                            "from or pruned)", step, since, ", ".join(str(n) for n, _ in later), ABANDONED)
         os.replace(tmp, final)
+        self._sizes.pop(final, None)
         _fsync_dir(self.dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         if self.keep is not None:
-            kept = []  # the newest `keep` whole checkpoints; folders before them go, damaged ones too
-            for n, path in reversed(self.checkpoints()):
-                if self._problem(path) is not None:
-                    continue
-                kept.append(n)
-                if len(kept) == self.keep:
+            kept = 0  # the newest `keep` whole checkpoints; folders before them go, damaged ones too
+            for n, path in reversed(self._step_folders()):
+                kept += self._problem(path) is None
+                if kept == self.keep:
                     for m, older in self._step_folders():
                         if m < n:
                             shutil.rmtree(older, ignore_errors=True)
+                            self._sizes.pop(older, None)
                     break
 
     def wait(self) -> None:
@@ -547,15 +562,17 @@ class Checkpointer:
         generators continue from theirs. To read a checkpoint into another model (an evaluation), use another
         Checkpointer, in another process where the generators matter."""
         self.wait()
-        own = path is None  # this folder's checkpoint (a resume of this run), or another's (a warm start)
+        in_folder = path is None  # this folder's checkpoint (a resume of this run), or another's (a warm start)
+        # Rank 0 decides what is loaded and every rank follows (ranks reading a shared filesystem at different
+        # moments could otherwise load different checkpoints, or one raise while the others wait in DCP's load)
         if path is not None:
             path = Path(path)
-            own = path.absolute().parent.resolve() == self.dir.resolve()  # a linked step folder is this folder's
-            problem = self._problem(path)
+            in_folder = path.absolute().parent.resolve() == self.dir.resolve()  # a linked step folder is this one's
+            problem = _from_rank0(self._problem(path) if _rank() == 0 else None)
             if problem is not None:
                 raise problem[0](problem[1])
         else:
-            path, damaged = self._newest_whole()
+            path, damaged = _from_rank0(self._newest_whole() if _rank() == 0 else None)
             if damaged and path is None:  # starting from scratch would silently restart the run
                 raise RuntimeError(f"{self.dir} holds no checkpoint to resume from, only damaged ones: "
                                    f"{'; '.join(damaged)}; move them away to start from scratch, or repair them")
@@ -612,10 +629,13 @@ class Checkpointer:
             logger.warning("checkpoint written by %s rank(s), resumed on %d: model, optimizer and data position "
                            "restored (resharded), random generator states not", info.get("world_size"), _world())
         # A run's line continues from a checkpoint of this folder: what it wrote after that is another line now (a
-        # save of such a step sets it aside), and the step resumed from is this line's (saved again: replaced)
-        if own:
-            self._resumed_from, self._saved = info["step"], {info["step"]}
-        else:  # a warm start from another folder's: this folder's other checkpoints do not become this run's
+        # save of such a step sets it aside), and the step resumed from is this line's (saved again: replaced) unless
+        # it was an abandoned- copy (this line's checkpoint of that step is then set aside, not replaced). A warm
+        # start from another folder's does not make this folder's other checkpoints this run's.
+        if in_folder:
+            own = path.name == f"{PREFIX}{info['step']:08d}"
+            self._resumed_from, self._saved = info["step"], ({info["step"]} if own else set())
+        else:
             self._resumed_from = None
         logger.info("resumed from %s (step %d) in %.1f s", path, info["step"], time.perf_counter() - t0)
         return info

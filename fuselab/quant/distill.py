@@ -89,7 +89,7 @@ def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.
         s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
         # a row the teacher masks whole (a padding position) adds nothing: its softmax would be 0 / 0, NaN; so
         # is the student's there if masked whole too, and a NaN softmax's backward is NaN even times a zero
-        dead = (t == float("-inf")).all(dim=-1, keepdim=True)
+        dead = t.amax(dim=-1, keepdim=True) == float("-inf")  # one reduction, no (N, C) mask
         t = torch.where(dead, 0.0, t)
         log_p_s = F.log_softmax(torch.where(dead, 0.0, s) / T, dim=-1)
         log_p_t = F.log_softmax(t / T, dim=-1)
@@ -97,7 +97,7 @@ def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.
         # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)
         p_t = log_p_t.exp()
         kept = (p_t > 0) & ~dead
-        kl = p_t * (torch.where(kept, log_p_t, 0.0) - torch.where(kept, log_p_s, 0.0))
+        kl = p_t * torch.where(kept, log_p_t - log_p_s, 0.0)
         soft = kl.sum() / s.shape[0] * (T * T)
         if alpha == 1.0:  # no hard term at all: 0 * a NaN cross-entropy would be NaN
             return soft

@@ -418,8 +418,9 @@ class Checkpointer:
         self.wait()
         # Checkpoints of a line this Checkpointer did not load from (another run's) are never replaced, set aside or
         # joined (a second Checkpointer of one run: save through the first, with async_save per call)
-        foreign = ([n for n, _ in self.checkpoints() if n not in self._saved] if self._resumed_from is None else [])
-        if foreign:  # every rank sees the same folder: all raise
+        foreign = _from_rank0([n for n, _ in self.checkpoints() if n not in self._saved]
+                              if self._resumed_from is None and _rank() == 0 else [])
+        if foreign:  # rank 0's view: every rank raises
             raise ValueError(f"{self.dir} holds checkpoints of step(s) {', '.join(map(str, foreign[:5]))} that this "
                              "Checkpointer neither loaded nor wrote (another run's, or this run's before a restart "
                              f"without resuming): saving step {step} would replace, set aside or mix with them; load() "

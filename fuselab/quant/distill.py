@@ -36,7 +36,8 @@ class DistillationLoss(nn.Module):
     (N,) class indices in [0, C) (-100, cross-entropy's ignore_index, drops a row from the hard term
     only: the soft term has no target; a batch with no label at all has a hard term of 0, not NaN).
     A teacher logit of -inf (a masked class) adds nothing to the soft term, nor does a row of them only (a
-    padding position; it still counts in the mean over N rows). The math runs in fp32
+    padding position; it still counts in the mean over N rows); a mask of finfo.min is a logit like any
+    other (a row of them only is a uniform softmax, at any T). The math runs in fp32
     (float64 inputs stay float64), with autocast off, whatever the logits' dtype. Gradients flow to
     both logits; compute the teacher's under ``torch.no_grad()`` to train the student alone.
 
@@ -47,7 +48,8 @@ class DistillationLoss(nn.Module):
             on CUDA fp16/bf16/fp32 logits; elsewhere, and for a backward that is itself differentiated,
             the PyTorch form. Its results match this one's to fp32 rounding at the logits' magnitude, but for
             a target outside [0, C) other than -100: its row's loss and gradient are NaN there (checking on the
-            host would wait for the GPU), where cross-entropy here raises (a device-side assert on CUDA).
+            host would wait for the GPU), where cross-entropy here raises (a device-side assert on CUDA), and
+            for logits of fp32's or bf16's finfo.min, whose sums overflow there (a row's loss is -inf or inf).
     """
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):
@@ -89,9 +91,13 @@ def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.
         s, t = _at_least_fp32(student_logits), _at_least_fp32(teacher_logits)
         # a row the teacher masks whole (a padding position) adds nothing: its softmax would be 0 / 0, NaN; so
         # is the student's there if masked whole too, and a NaN softmax's backward is NaN even times a zero
-        dead = t.amax(dim=-1, keepdim=True) == float("-inf")  # one reduction, no (N, C) mask
+        t_max = t.amax(dim=-1, keepdim=True)
+        dead = t_max == float("-inf")  # one reduction, no (N, C) mask
+        s_soft = s
+        if T < 1:  # x / T overflows at the dtype's extreme logits (a mask of finfo.min): shifted first
+            s_soft, t = s - s.amax(dim=-1, keepdim=True).detach(), t - t_max.detach()
         t = torch.where(dead, 0.0, t)
-        log_p_s = F.log_softmax(torch.where(dead, 0.0, s) / T, dim=-1)
+        log_p_s = F.log_softmax(torch.where(dead, 0.0, s_soft) / T, dim=-1)
         log_p_t = F.log_softmax(t / T, dim=-1)
         # KL(p_t || p_s) = sum p_t (log p_t - log p_s), summed over classes, mean over rows; a class the
         # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)

@@ -642,10 +642,13 @@ def test_report_says_what_was_replaced_and_why_the_rest_was_not():
     hooked = nn.Linear(8, 8)
     hooked.register_forward_hook(lambda m, i, o: o)
     shared = nn.Linear(8, 8)
+    masked = nn.Linear(8, 8)  # what the model's forward reads besides the weight (a parent's out_mask, say)
+    masked.register_buffer("out_mask", torch.ones(8))
+    masked.gain = nn.Parameter(torch.ones(8))
     model = nn.ModuleDict({
         "plain": nn.Linear(8, 8), "fused": FusedLinearReLU(8, 8), "sub": Sub(8, 8), "hooked": hooked,
         "float64": nn.Linear(8, 8).double(), "vetoed": nn.Linear(8, 8), "shared": shared,
-        "block": nn.ModuleDict({"again": shared}), "attn": nn.MultiheadAttention(8, 2),
+        "block": nn.ModuleDict({"again": shared}), "attn": nn.MultiheadAttention(8, 2), "masked": masked,
     })
     report = quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda name, layer: name != "vetoed")
     assert set(report.replaced) == {"plain", "fused", "shared"}
@@ -656,9 +659,11 @@ def test_report_says_what_was_replaced_and_why_the_rest_was_not():
     assert "torch.float64" in report.skipped["float64"]
     assert report.skipped["vetoed"] == "vetoed by filter_fn"
     assert "NonDynamicallyQuantizableLinear" in report.skipped["attn.out_proj"]
-    assert type(model["sub"]) is Sub and type(model["attn"].out_proj) is not Int8Linear
+    # it was replaced, its buffer and parameter gone from the model and its state_dict, silently
+    assert report.skipped["masked"] == "holds gain, out_mask besides its weight and bias, which the new layer would drop"
+    assert type(model["sub"]) is Sub and type(model["attn"].out_proj) is not Int8Linear and model["masked"] is masked
     text = str(report)
-    assert "quantized 3 layer(s) with Int8DynamicActivationInt8WeightConfig; left 5 alone" in text
+    assert "quantized 3 layer(s) with Int8DynamicActivationInt8WeightConfig; left 6 alone" in text
     assert "skipped  vetoed: vetoed by filter_fn" in text
 
 
@@ -817,9 +822,10 @@ def test_output_dtype_follows_input_and_autocast():
 def test_calibrate_records_ranges_and_samples():
     model = _mlp()
     model.train()
+    model[1].eval()  # a module the user froze: its own mode comes back, not the model's
     batches = [(torch.randn(6, 24), torch.zeros(6)) for _ in range(3)]
     calib = calibrate(model, batches + [None], 3, sample_rows=10, progress=True)
-    assert model.training and all(m.training for m in model.modules())  # the mode is restored
+    assert [m.training for m in model.modules()] == [True, True, False, True, True, True]  # each mode restored
     assert calib.n_batches == 3
     assert calib.absmax["0"] == max(x.abs().max().item() for x, _ in batches)
     assert calib.samples["0"].shape == (10, 24) and torch.equal(calib.samples["0"][:6], batches[0][0])
@@ -933,6 +939,25 @@ def test_pt2e_names_torchao_when_it_is_missing(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=r"quantize_pt2e_x86 needs torchao.*pip install torchao"):
         quantize_pt2e_x86(_SmallCNN().eval(), (torch.randn(2, 1, 8, 8),), [], 1)
+
+
+def test_pt2e_leaves_each_modules_mode_as_it_was(monkeypatch):
+    # The root's mode was restored for all: a frozen BatchNorm in a training model came back training
+    from fuselab.quant import pt2e
+
+    class Quantizer:
+        def set_global(self, config):
+            pass
+
+    modes = []
+    monkeypatch.setattr(pt2e, "_torchao_pt2e", lambda: (
+        lambda graph, quantizer: graph, lambda prepared: modes.append([m.training for m in model.modules()]),
+        Quantizer, lambda: None))
+    model = _SmallCNN().train()
+    model.bn.eval()
+    want = [m.training for m in model.modules()]
+    quantize_pt2e_x86(model, (torch.randn(2, 1, 8, 8),), [torch.randn(2, 1, 8, 8)], 1, progress=False)
+    assert [m.training for m in model.modules()] == want == [True, True, False, True, True] and modes
 
 
 def test_pt2e_static_int8_conv_net():
@@ -1262,6 +1287,46 @@ def test_a_compiled_backward_through_a_quantized_layer_raises_too():
     with torch.no_grad():  # inference compiles whole
         torch.testing.assert_close(torch.compile(model, backend="aot_eager", fullgraph=True)(x), model(x),
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", [Int8DynamicActivationInt8WeightConfig(), Float8RowwiseConfig()], ids=["int8", "fp8"])
+def test_forward_mode_ad_through_a_quantized_layer_raises(config):
+    # A custom op carries no tangent: jvp through a frozen model's quantized layer gave a zero tangent
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).requires_grad_(False)
+    quantize_(model, config, filter_fn=lambda name, layer: name == "2")
+    x, v = torch.randn(3, 8), torch.randn(3, 8)
+    with pytest.raises(NotImplementedError, match="quantized layer .* has no forward-mode derivative"):
+        torch.func.jvp(model, (x,), (v,))
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode"):
+        model(torch.autograd.forward_ad.make_dual(x, v))
+    conv = nn.Sequential(nn.Conv2d(2, 4, 3))
+    quantize_(conv, Int8DynamicActivationInt8WeightConfig(conv2d=True))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(conv, (torch.randn(1, 2, 5, 5),), (torch.randn(1, 2, 5, 5),))
+
+
+def test_quantized_layers_take_their_float_layers_argument_names():
+    # nn.Linear.forward(input), nn.Conv2d.forward(input): a caller's fc(input=h) broke after quantize_
+    x = torch.randn(3, 8)
+    for layer in (Int8Linear.from_float(nn.Linear(8, 4)), Float8Linear.from_float(nn.Linear(8, 4))):
+        torch.testing.assert_close(layer(input=x), layer(x), rtol=0, atol=0)
+    conv, img = Int8Conv2d.from_float(nn.Conv2d(2, 4, 3)), torch.randn(1, 2, 5, 5)
+    torch.testing.assert_close(conv(input=img), conv(img), rtol=0, atol=0)
+
+
+def test_from_float_refuses_a_linear_subclass_with_its_own_forward():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Plain(nn.Linear):  # no forward of its own: nn.Linear's computation
+        pass
+
+    for cls in (Int8Linear, Float8Linear):
+        with pytest.raises(TypeError, match="Doubled has its own forward"):
+            cls.from_float(Doubled(8, 4))
+        cls.from_float(Plain(8, 4))
+        cls.from_float(FusedLinearReLU(8, 4))
 
 
 def test_a_tied_weight_is_reported_as_untied():

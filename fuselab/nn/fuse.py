@@ -147,8 +147,8 @@ def _fused_layer(layer):
 
 
 def why_not_swapped(module: nn.Module) -> Optional[str]:
-    """Why replacing ``module`` (a layer, or its ReLU) by a fused one could change the model; None
-    where it cannot."""
+    """Why replacing ``module`` (a layer, or its ReLU) by a fused or quantized one could change the model;
+    None where it cannot."""
     if _sharded(module):  # converted in place: its state-dict hooks (FSDP's) stay, and run as before
         hooks = [name.strip("_") for name, value in vars(module).items()
                  if name.endswith("_hooks") and value and "state_dict" not in name]
@@ -162,6 +162,10 @@ def why_not_swapped(module: nn.Module) -> Optional[str]:
         return f"has hooks ({', '.join(hooks)}) that would no longer run"
     if "forward" in vars(module):
         return "its forward is replaced on the instance (accelerate's hooks, say)"
+    extra = sorted(k for k, v in module._parameters.items() if v is not None and k not in ("weight", "bias"))
+    extra += sorted(k for k, v in module._buffers.items() if v is not None)
+    if extra:  # the new layer holds the weight and bias only: these would vanish from the model and its state
+        return f"holds {', '.join(extra)} besides its weight and bias, which the new layer would drop"
     return None
 
 
@@ -174,10 +178,6 @@ def _why_not_fusable(layer: nn.Module, act: Optional[nn.Module]) -> Optional[str
     if why is None and _fused_layer(layer) is None:
         cls = type(layer)
         why = f"a {cls.__module__}.{cls.__qualname__}, not exactly an nn.Linear (its forward may differ)"
-    extra = sorted(set(k for k, v in layer._parameters.items() if v is not None) - {"weight", "bias"})
-    extra += sorted(k for k, v in layer._buffers.items() if v is not None)
-    if why is None and extra:  # a fused layer holds the weight and bias only: these would vanish from its state
-        why = f"holds {', '.join(extra)} besides its weight and bias, which a fused layer would drop"
     if why is None and act is not None and (act_why := why_not_swapped(act)) is not None:
         why = f"its ReLU {act_why}"
     return why or why_not_fused(None, layer.weight, layer.bias, linear=type(layer) is nn.Linear)

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 from torch.nn.modules.utils import _pair
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
@@ -29,6 +30,14 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"a quantized layer takes float32, float16 or bfloat16 inputs, got {x.dtype}")
     return x.dtype
+
+
+def _refuse_forward_ad() -> None:
+    # A custom op carries no tangent: under a dual level (jvp, jacfwd) the layers after would get zeros
+    if forward_ad._current_level >= 0:
+        raise NotImplementedError("a quantized layer (fuselab.quant) has no forward-mode derivative (rounding has "
+                                  "none): torch.func.jvp/jacfwd and torch.autograd.forward_ad through a quantized "
+                                  "model would give zero tangents; differentiate the float model")
 
 
 class _NoBackward(torch.autograd.Function):
@@ -57,10 +66,15 @@ class _QuantizedLinear(nn.Module):
     @staticmethod
     def _fused_relu(linear: nn.Module, relu: Optional[bool], layer: str) -> bool:
         """``from_float``'s ReLU: a FusedLinearReLU's own (ValueError for ``relu=False``: it would be dropped),
-        else ``relu``; TypeError for a layer that is not an nn.Linear."""
+        else ``relu``; TypeError for a layer that is not an nn.Linear, or whose class has its own forward
+        (what it computes beyond x @ W^T + b would be lost)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{layer}.from_float takes an nn.Linear (or FusedLinearReLU), got a {type(linear).__name__}"
                             " (quantize_ converts transformers' Conv1D layers)")
+        if type(linear).forward not in (nn.Linear.forward, FusedLinearReLU.forward):
+            cls = type(linear)
+            raise TypeError(f"{layer}.from_float: {cls.__module__}.{cls.__qualname__} has its own forward, which "
+                            "the quantized layer would not compute (quantize the plain nn.Linear it is built on)")
         fused = isinstance(linear, FusedLinearReLU)
         if fused and relu is False:
             raise ValueError(f"{layer}.from_float(relu=False) of a FusedLinearReLU would drop its ReLU")
@@ -142,7 +156,9 @@ class Int8Linear(_QuantizedLinear):
             layer.act_scale.fill_(act_scale)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
+        x = input
+        _refuse_forward_ad()
         self._check_width(x)
         out_dtype = _output_dtype(x)
         if self.act_scale is None:
@@ -168,7 +184,9 @@ class Float8Linear(_QuantizedLinear):
         layer._load_float(linear, quantize_fp8_rowwise)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
+        x = input
+        _refuse_forward_ad()
         self._check_width(x)
         out_dtype = _output_dtype(x)
         xq, x_scale = quantize_fp8_rowwise(x)
@@ -219,7 +237,9 @@ class Int8Conv2d(_QuantizedLinear):
         layer.bias = None if conv.bias is None else conv.bias.detach().clone()
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Conv2d's argument name: callers may pass it
+        x = input
+        _refuse_forward_ad()
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"Int8Conv2d takes (N, {self.in_channels}, H, W) inputs, got {tuple(x.shape)}")
         out_dtype = _output_dtype(x)

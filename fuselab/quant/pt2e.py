@@ -11,7 +11,7 @@ from typing import Iterable, Tuple
 import torch
 from torch import nn
 
-from fuselab.quant.quantize import calibration_batches
+from fuselab.quant.quantize import calibration_batches, evaluating
 
 
 def _torchao_pt2e():
@@ -42,16 +42,12 @@ def quantize_pt2e_x86(model: nn.Module, example_inputs: Tuple, loader: Iterable,
     prepare_pt2e, convert_pt2e, X86InductorQuantizer, default_config = _torchao_pt2e()
     if not (isinstance(n_batches, int) and n_batches >= 1):
         raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
-    training = model.training
-    model.eval()
     # The batch dimension stays dynamic (the graph runs at any batch size); strict tracing gives a module
     # called twice (torchvision's BasicBlock ReLU) one node per call, which the quantizer's partitions need.
     batch = torch.export.Dim("batch")
     dynamic = tuple({0: batch} if isinstance(t, torch.Tensor) and t.dim() else None for t in example_inputs)
-    try:
+    with evaluating(model):
         graph = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=True).module()
-    finally:
-        model.train(training)
     quantizer = X86InductorQuantizer()
     quantizer.set_global(default_config())
     prepared = prepare_pt2e(graph, quantizer)

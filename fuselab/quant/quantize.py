@@ -12,6 +12,7 @@ Every decision is made before anything changes. ``calibrate`` runs a few batches
 model to record each layer's input range (static activation scales) and a sample of its inputs, on
 which the report measures each quantized layer's error against its float layer.
 """
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -172,6 +173,18 @@ def calibration_batches(loader: Iterable, n_batches: int, device, desc: str, pro
         yield tuple(_to(a, device) for a in args), {k: _to(v, device) for k, v in kwargs.items()}
 
 
+@contextlib.contextmanager
+def evaluating(model: nn.Module):
+    """``model`` in eval mode inside, each module's own training flag restored after (``model.train(mode)``
+    sets one flag for all: a frozen BatchNorm in a training model would come back training)."""
+    training = {m: m.training for m in model.modules()}
+    try:
+        yield model.eval()
+    finally:
+        for m, mode in training.items():
+            m.training = mode
+
+
 def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows: int = 256,
               progress: bool = True) -> Calibration:
     """Run ``n_batches`` batches of ``loader`` through ``model`` (eval mode, no grad; the mode is
@@ -218,11 +231,9 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
                          + (f"; its {quantized} quantized layer(s) say it was quantized already: calibrate the "
                             "float model" if quantized else ""))
     handles = [m.register_forward_pre_hook(record(name), with_kwargs=True) for name, m in layers]
-    training = {m: m.training for m in model.modules()}
     seen = 0
     try:
-        model.eval()
-        with torch.no_grad():
+        with evaluating(model), torch.no_grad():
             for seen, (args, kwargs) in enumerate(calibration_batches(loader, n_batches, device, "calibrating",
                                                                       progress)):
                 model(*args, **kwargs)
@@ -230,8 +241,6 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
     finally:
         for handle in handles:
             handle.remove()
-        for m, mode in training.items():
-            m.training = mode
     return Calibration(absmax=absmax, samples={n: torch.cat(s) for n, s in samples.items()}, n_batches=seen)
 
 

@@ -487,6 +487,32 @@ def test_bad_sparse_gradients():
     q.grad = torch.sparse_coo_tensor(torch.tensor([[1], [2]]), torch.randn(1), (4, 6))  # element-sparse
     with pytest.raises(ValueError, match="sparse_dim 1"):
         SparseAdamW([q]).step()
+    q.grad = torch.sparse_coo_tensor(torch.zeros(0, 1, dtype=torch.int64), torch.randn(1, 4, 6), (4, 6))
+    with pytest.raises(ValueError, match="got sparse_dim 0"):  # was an IndexError of the id check
+        SparseAdamW([q]).step()
+
+
+@pytest.mark.parametrize("bad", ["amsgrad", "layout", "ids"])
+def test_a_refused_sparse_gradient_leaves_the_whole_step_undone(bad):
+    # The amsgrad and layout refusals came mid-step: the parameters before the refused one were updated
+    first, second = embedding(10, 3, "cpu"), embedding(10, 3, "cpu")
+    first(torch.tensor([1, 2])).sum().backward()
+    second(torch.tensor([3])).sum().backward()
+    groups = [{"params": first.parameters()}, {"params": second.parameters()}]
+    if bad == "amsgrad":
+        groups[1]["amsgrad"] = True
+    elif bad == "layout":  # a parameter whose rows are not contiguous, its gradient row-sparse
+        second.weight = torch.nn.Parameter(torch.randn(3, 10).t())
+        second.weight.grad = torch.sparse_coo_tensor(torch.tensor([[3]]), torch.ones(1, 3), (10, 3))
+        groups[1]["params"] = [second.weight]
+    else:
+        second.weight.grad = torch.sparse_coo_tensor(torch.tensor([[10]]), torch.ones(1, 3).to(second.weight), (10, 3))
+    opt = SparseAdamW(groups, lr=0.1)
+    before = first.weight.detach().clone(), second.weight.detach().clone()
+    with pytest.raises((ValueError, IndexError)):
+        opt.step()
+    assert torch.equal(first.weight, before[0]) and torch.equal(second.weight, before[1])
+    assert not opt.state, "no state made, no step counted"
 
 
 @pytest.mark.parametrize("foreach", [None, False, True])

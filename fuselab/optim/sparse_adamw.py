@@ -82,9 +82,13 @@ class SparseAdamW(torch.optim.Optimizer):
     ``add_param_group``) for lr, eps or weight_decay < 0, betas that are not two numbers in [0, 1),
     and fused=True with complex parameters; at ``step()`` for a sparse gradient in a group with
     amsgrad=True and a sparse gradient that is not a row-sparse COO tensor of a parameter with
-    contiguous rows; IndexError at ``step()`` for a row id outside its parameter's rows, before any parameter
-    of the step or its step count changes (on CUDA, where checking on the host would wait for the GPU, a
-    device-side assert instead, as at ``nn.Embedding``'s id out of range: it ends the process's CUDA context).
+    contiguous rows; IndexError at ``step()`` for a row id outside its parameter's rows; each before any
+    parameter of the step or its step count changes (on CUDA, where checking ids on the host would wait for
+    the GPU, a device-side assert instead, as at ``nn.Embedding``'s id out of range: it ends the process's
+    CUDA context). State (``exp_avg``, ``exp_avg_sq``) is kept in the parameter's dtype, as
+    ``torch.optim.AdamW`` keeps it: in bf16, ``beta2 * v`` at beta2 = 0.999 rounds back to ``v`` (v never
+    decays) and in fp16 a small ``(1 - beta2) * g**2`` underflows to 0; train fp32 parameters (a master
+    copy under autocast) where that matters.
     Whatever the ids, eager or compiled, the kernels never write outside the parameter (a compiled step keeps
     the check as the kernels' input; whether it asserts there is inductor's indexing check).
     """
@@ -158,7 +162,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_row_ids_on_the_host()
+        param_rows = self._check_sparse_gradients()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             betas = float(beta1), float(beta2)
@@ -168,11 +172,8 @@ class SparseAdamW(torch.optim.Optimizer):
                     continue
                 state = self._state(p, group["amsgrad"])
                 if p.grad.is_sparse:
-                    if group["amsgrad"]:
-                        raise ValueError(f"amsgrad is not supported with sparse gradients (parameter of shape "
-                                         f"{tuple(p.shape)}): put such parameters in a group with amsgrad=False")
                     grad = p.grad
-                    rows = [self._rows(t, grad) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
+                    rows = [param_rows[p], *(self._rows(t, grad) for t in (state["exp_avg"], state["exp_avg_sq"]))]
                     self._step_on_device(p)
                     values = grad._values()
                     values = torch.view_as_real(values) if values.is_complex() else values
@@ -199,14 +200,24 @@ class SparseAdamW(torch.optim.Optimizer):
                       maximize=group["maximize"], has_complex=any(torch.is_complex(p) for p in params))
         return loss
 
-    def _check_row_ids_on_the_host(self) -> None:
-        """Every sparse gradient's row ids that can be checked without waiting for a GPU, before any update: one
-        out of range (IndexError) then leaves every parameter of the step as it was."""
+    def _check_sparse_gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """What the update of any sparse gradient would refuse, checked for all before any update, so that a
+        refusal leaves every parameter of the step as it was (raised mid-step, it left those before updated):
+        amsgrad, the gradient's and parameter's layouts, and the row ids that can be checked without waiting
+        for a GPU (one out of range: IndexError). Returns each such parameter's rows (``_rows``)."""
+        param_rows = {}
         for group in self.param_groups:
             for p in group["params"]:
                 grad = p.grad
-                if grad is not None and grad.is_sparse and not p.is_cuda and grad._nnz():
+                if grad is None or not grad.is_sparse:
+                    continue
+                if group["amsgrad"]:
+                    raise ValueError(f"amsgrad is not supported with sparse gradients (parameter of shape "
+                                     f"{tuple(p.shape)}): put such parameters in a group with amsgrad=False")
+                param_rows[p] = self._rows(p, grad)
+                if not p.is_cuda and grad._nnz():
                     check_row_ids(grad._indices()[0], None, p)
+        return param_rows
 
     def _graphed_update(self, p: torch.Tensor, rows: list, indices: torch.Tensor, values: torch.Tensor,
                         step: torch.Tensor, hyper: tuple) -> None:

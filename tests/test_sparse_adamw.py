@@ -147,6 +147,19 @@ def test_fused_update_matches_reference(device, dtype, dim):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_change_below_half_an_ulp_leaves_16_bit_rows_as_they_were(device, dtype):
+    # A zero gradient and lr * weight_decay = 1e-5: p * (1 - 1e-5) rounds back to p. The interpreter's bf16
+    # cast truncated: every step moved each bf16 weight an ulp toward zero (0.5 of a weight in 1,500 steps).
+    state = random_state(20, 24, dtype, device)
+    state[1].zero_(), state[2].zero_()  # no moments: the step's only change is the decay
+    idx = torch.arange(20, device=device)
+    after = fused_step(state, idx, torch.zeros(20, 24, device=device, dtype=dtype), 3,
+                       dict(HP, lr=1e-3, weight_decay=0.01))
+    assert torch.equal(after[0], state[0]) and not after[1].any() and not after[2].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize("betas,step", [((0.9, 0.999), 1), ((0.9, 0.99999), 1), ((0.9, 0.99999), 1000),
                                         ((0.0, 0.5), 7), ((0.5, 0.0), 2)])

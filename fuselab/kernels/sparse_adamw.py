@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._casts import cast_rne
 from fuselab.kernels._runtime import (
     ExecutionPath,
     call_untraced,
@@ -114,9 +115,9 @@ def _adamw(p_ptrs, m_ptrs, v_ptrs, g, mask, step_ptr, lr, beta1_hi, beta1_lo, on
     # IEEE-rounded sqrt and division, as torch's own AdamW (tl.sqrt would flush subnormal v to zero).
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    tl.store(p_ptrs, p.to(p_ptrs.dtype.element_ty), mask=mask)
-    tl.store(m_ptrs, m.to(m_ptrs.dtype.element_ty), mask=mask)
-    tl.store(v_ptrs, v.to(v_ptrs.dtype.element_ty), mask=mask)
+    tl.store(p_ptrs, cast_rne(p, p_ptrs.dtype.element_ty), mask=mask)
+    tl.store(m_ptrs, cast_rne(m, m_ptrs.dtype.element_ty), mask=mask)
+    tl.store(v_ptrs, cast_rne(v, v_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit

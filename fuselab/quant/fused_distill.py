@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._casts import cast_rne
 from fuselab.kernels._runtime import (
     ExecutionPath,
     backward_by_torch_needed,
@@ -156,13 +157,13 @@ def grad_rows_kernel(
             ds += tl.where(m_t == float("-inf"), 0.0, soft_g * (tl.exp(log_p_s) - p_t))
             if WRITE_DT:
                 dt = tl.where(p_t > 0, soft_g * p_t * ((log_p_t - log_p_s) - kl), 0.0)
-                tl.store(dt_ptr + row * stride_dt + c0 + cols, dt.to(dt_ptr.dtype.element_ty), mask=live)
+                tl.store(dt_ptr + row * stride_dt + c0 + cols, cast_rne(dt, dt_ptr.dtype.element_ty), mask=live)
         if HARD:
             onehot = tl.where(c0 + cols == y, 1.0, 0.0)
             # an unlabelled row adds nothing: 0, not 0 times a softmax that is NaN where its logits are all -inf
             ds += tl.where(labelled, hard_g * (tl.exp((s - m_h) - lz_h) - onehot), 0.0)
         if WRITE_DS:
-            tl.store(ds_ptr + row * stride_ds + c0 + cols, ds.to(ds_ptr.dtype.element_ty), mask=live)
+            tl.store(ds_ptr + row * stride_ds + c0 + cols, cast_rne(ds, ds_ptr.dtype.element_ty), mask=live)
 
 
 def _block(c: int) -> Tuple[int, int]:

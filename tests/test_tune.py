@@ -568,10 +568,21 @@ def test_sigterm_to_the_dry_run_launcher_ends_its_interpreter_process(tmp_path):
     parent = subprocess.Popen([sys.executable, "-m", "fuselab.tune", "--dry-run", "--out", str(tmp_path / "r.json")],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+
+    def interpreter_child():  # not another short-lived child (a library's ldconfig, say): the test sent too early
+        for pid in children.read_text().split():
+            try:  # its environment once it runs (a fork not yet exec'd still holds the parent's)
+                if b"TRITON_INTERPRET=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    return int(pid)
+            except OSError:  # gone meanwhile
+                pass
+        return None
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not children.read_text().split():
+    while time.monotonic() < deadline and interpreter_child() is None:
         time.sleep(0.05)
-    child = int(children.read_text().split()[0])
+    child = interpreter_child()
+    assert child is not None, "the dry run started no interpreter process within 60 s"
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(timeout=120) in (130, 143)
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]

@@ -1299,6 +1299,12 @@ def test_forward_mode_ad_through_a_quantized_layer_raises(config):
         torch.func.jvp(model, (x,), (v,))
     with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode"):
         model(torch.autograd.forward_ad.make_dual(x, v))
+    # an input without a tangent (a frozen quantized teacher on fixed inputs): its zero tangent is right
+    w, tw = torch.randn(3, 4), torch.randn(3, 4)
+    out, tangent = torch.func.jvp(lambda w: (model(x) * w).sum(), (w,), (tw,))
+    torch.testing.assert_close(tangent, (model(x) * tw).sum())
+    with torch.autograd.forward_ad.dual_level():
+        model(x)
     conv = nn.Sequential(nn.Conv2d(2, 4, 3))
     quantize_(conv, Int8DynamicActivationInt8WeightConfig(conv2d=True))
     with pytest.raises(NotImplementedError, match="forward-mode"):

@@ -38,7 +38,8 @@ class DistillationLoss(nn.Module):
     A teacher logit of -inf (a masked class) adds nothing to the soft term, nor does a row of them only (a
     padding position; it still counts in the mean over N rows); a mask of finfo.min is a logit like any
     other (a row of them only is a uniform softmax, at any T; but at T < 1 a student logit there where the
-    teacher puts mass makes a KL past fp32's range: the loss is inf, its gradient finite). The math runs in fp32
+    teacher puts any mass makes that class's log-ratio, |finfo.min| / T, overflow: the loss is inf, the
+    teacher's gradient inf or NaN, the student's finite). The math runs in fp32
     (float64 inputs stay float64), with autocast off, whatever the logits' dtype. Gradients flow to
     both logits; compute the teacher's under ``torch.no_grad()`` to train the student alone.
 

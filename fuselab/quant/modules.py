@@ -14,7 +14,7 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.nn.modules.utils import _pair
 
-from fuselab.kernels._runtime import SUPPORTED_DTYPES
+from fuselab.kernels._runtime import SUPPORTED_DTYPES, in_dual_level
 from fuselab.nn.linear_relu import FusedLinearReLU, refuse_torchscript
 from fuselab.quant.config import positive_scale
 from fuselab.quant.fp8_gemm import fp8_matmul
@@ -32,12 +32,12 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _refuse_forward_ad() -> None:
-    # A custom op carries no tangent: under a dual level (jvp, jacfwd) the layers after would get zeros
-    if forward_ad._current_level >= 0:
+def _refuse_forward_ad(x: torch.Tensor) -> None:
+    # A custom op carries no tangent: where x has one (jvp, jacfwd), the layers after would get zeros
+    if in_dual_level() and forward_ad.unpack_dual(x).tangent is not None:  # torch.func.jvp's wrapped tensors too
         raise NotImplementedError("a quantized layer (fuselab.quant) has no forward-mode derivative (rounding has "
                                   "none): torch.func.jvp/jacfwd and torch.autograd.forward_ad through a quantized "
-                                  "model would give zero tangents; differentiate the float model")
+                                  "layer's input would give zero tangents; differentiate the float model")
 
 
 class _NoBackward(torch.autograd.Function):
@@ -158,7 +158,7 @@ class Int8Linear(_QuantizedLinear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
         x = input
-        _refuse_forward_ad()
+        _refuse_forward_ad(x)
         self._check_width(x)
         out_dtype = _output_dtype(x)
         if self.act_scale is None:
@@ -186,7 +186,7 @@ class Float8Linear(_QuantizedLinear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
         x = input
-        _refuse_forward_ad()
+        _refuse_forward_ad(x)
         self._check_width(x)
         out_dtype = _output_dtype(x)
         xq, x_scale = quantize_fp8_rowwise(x)
@@ -239,7 +239,7 @@ class Int8Conv2d(_QuantizedLinear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Conv2d's argument name: callers may pass it
         x = input
-        _refuse_forward_ad()
+        _refuse_forward_ad(x)
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"Int8Conv2d takes (N, {self.in_channels}, H, W) inputs, got {tuple(x.shape)}")
         out_dtype = _output_dtype(x)

@@ -220,7 +220,8 @@ def main(argv=None):
                                   "'opt,opt+fuselab:train:bf16:eager,default;resnet50:infer:fp32:eager'")
     p.add_argument("--budget-min", type=positive_float, default=None,
                    help="stop starting new configurations after this many minutes")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda where there is one; else cpu with --tiny (the "
+                                                    "full models' grid takes hours even on a GPU: say --device cpu)")
     p.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps after the first")
@@ -231,6 +232,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.modes is None:
         args.modes = "eager,default" if args.tiny else ",".join(MODES)
+    if args.device is None and not (args.tiny or torch.cuda.is_available()):
+        raise SystemExit("compile_speedup's full-size models need a CUDA GPU (none found): --tiny runs the smoke "
+                         "test on the CPU; --device cpu runs the full grid here anyway (hours)")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = parse_device(p, args.device, STUDY)
     grid = parse_plan(args, p)
     out = output_path(args, STUDY)

@@ -50,6 +50,7 @@ size and against latency).
     python -m experiments.distill_quantize --tiny                          # CPU smoke run (CI)
     python -m experiments.distill_quantize --device cuda --data data/fashion-mnist \\
         --teacher-ckpt runs/distill_teacher.pt --save-students runs/students   # train, GPU quantization
+                                 # (--data: a copy of Debian's idx files, e.g. carried to a GPU machine)
     python -m experiments.distill_quantize --load-students runs/students --merge   # CPU INT8 and latency
 """
 import argparse

@@ -120,6 +120,8 @@ def main(argv=None):
     status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
     if status:
         sys.exit(f"stage 2 (python -m experiments.train_mlp) failed with exit status {status}")
+    print("\nThe published runs to compare with: docs/results/quickstart.md and docs/results/train_mlp.md; "
+          "the README's tour says what else to run.")
     return results
 
 

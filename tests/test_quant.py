@@ -346,6 +346,7 @@ BAD_INPUTS = [
     ("fp16 scale", dict(a_scale=torch.ones(4, dtype=torch.float16)), TypeError, "a_scale must be float32"),
     ("short scale", dict(a_scale=torch.ones(3)), ValueError, "a_scale must hold one scale per row of a (4)"),
     ("long b_scale", dict(b_scale=torch.ones(6)), ValueError, "b_scale must hold one scale per column of b (5)"),
+    ("b_scale as a column", dict(b_scale=torch.ones(5, 1)), ValueError, "b_scale must hold one scale per column"),
     ("bias shape", dict(bias=torch.ones(4)), ValueError, "bias must have shape (N,) = (5,)"),
     ("int bias", dict(bias=torch.ones(5, dtype=torch.int32)), TypeError, "bias must be float32, float16 or bfloat16"),
     ("int8 out", dict(out_dtype=torch.int8), TypeError, "out_dtype must be float32, float16 or bfloat16"),
@@ -370,6 +371,15 @@ def test_bad_inputs_raise_naming_the_problem(what, changes, error, message):
         args["bias"] = None
     with pytest.raises(error, match=_escaped(message)):
         int8_matmul(**args)
+
+
+def test_scales_in_torch_scaled_mms_shapes_are_taken():
+    # a_scale (M, 1) and b_scale (1, N), as torch._scaled_mm takes them: b's was refused
+    a, b = torch.randint(-9, 9, (4, 8), dtype=torch.int8), torch.randint(-9, 9, (8, 5), dtype=torch.int8)
+    a_scale, b_scale = torch.rand(4) + 0.5, torch.rand(5) + 0.5
+    want = int8_matmul(a, b, a_scale, b_scale, out_dtype=torch.float32)
+    got = int8_matmul(a, b, a_scale[:, None], b_scale[None, :], out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_bad_inputs_raise_in_the_op_and_its_fake():

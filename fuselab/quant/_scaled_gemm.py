@@ -345,13 +345,14 @@ def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: 
 
 def _as_vector(scale: Optional[torch.Tensor], shape: Tuple[int, ...], what: str) -> Optional[torch.Tensor]:
     """A scale given per row of (..., K) operands (``shape`` = their leading dims), or one for all of
-    them, as the ops' (n,). Shapes must match, not only sizes: a transposed scale is an error."""
+    them, as the ops' (n,); b's also as ``torch._scaled_mm``'s (1, n). Shapes must match, not only sizes:
+    a transposed scale is an error."""
     if scale is None:
         return None
     n = math.prod(shape)
     if scale.numel() == 1:
         return scale.reshape(1).expand(n)  # stride 0: one scale read by every row, no copy
-    if tuple(scale.shape) not in (tuple(shape), (n,), (*shape, 1)):
+    if tuple(scale.shape) not in (tuple(shape), (n,), (*shape, 1), *([(1, n)] if what == "b_scale" else [])):
         also = f" shaped {tuple(shape)}" if len(shape) > 1 else ""
         raise ValueError(f"{what} must hold one scale per {'row of a' if what == 'a_scale' else 'column of b'} "
                          f"({n}){also} or a single scale, got shape {tuple(scale.shape)}")

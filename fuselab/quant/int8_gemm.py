@@ -86,8 +86,8 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor
     Args:
         a: (..., K) int8, any strides. b: (K, N) int8, any strides (``weight.t()`` of an (N, K) int8
             weight is used as it is: K-contiguous, the layout tensor cores read fastest).
-        a_scale: float32, one per row of ``a`` (shaped ``a.shape[:-1]``) or a single one (per tensor).
-        b_scale: float32, one per column of ``b`` (N,) (per output channel) or a single one.
+        a_scale: float32, one per row of ``a`` (shaped ``a.shape[:-1]``, or with a trailing 1) or a single one.
+        b_scale: float32, one per column of ``b``, (N,) or (1, N) (per output channel), or a single one.
         bias: (N,) float32/float16/bfloat16, or None. relu: ReLU after the bias, before the cast.
         out_dtype: float32, float16 or bfloat16; None: float32. With ``a_scale = b_scale = None``
             (no bias, no relu) the result is the raw int32 accumulators (out_dtype int32 or None).

@@ -210,7 +210,7 @@ def why_not_int8_conv2d(conv: nn.Conv2d) -> Optional[str]:
 
 
 class Int8Conv2d(_QuantizedLinear):
-    """``nn.Conv2d`` (groups 1, zero padding) with W8A8: the input unfolded into one row of C*kh*kw
+    """``nn.Conv2d`` (groups 1, padding_mode "zeros") with W8A8: the input unfolded into one row of C*kh*kw
     values per output position (im2col: the activations take kh*kw times their memory), each row
     quantized per token at run time, then the int8 GEMM with its epilogue against the weight
     (O, C*kh*kw), quantized per output channel. The output is in the input's memory format (channels-

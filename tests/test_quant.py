@@ -346,7 +346,7 @@ BAD_INPUTS = [
     ("fp16 scale", dict(a_scale=torch.ones(4, dtype=torch.float16)), TypeError, "a_scale must be float32"),
     ("short scale", dict(a_scale=torch.ones(3)), ValueError, "a_scale must hold one scale per row of a (4)"),
     ("long b_scale", dict(b_scale=torch.ones(6)), ValueError, "b_scale must hold one scale per column of b (5)"),
-    ("b_scale as a column", dict(b_scale=torch.ones(5, 1)), ValueError, "b_scale must hold one scale per column"),
+    ("a_scale as a row", dict(a_scale=torch.ones(1, 4)), ValueError, "a_scale must hold one scale per row of a"),
     ("bias shape", dict(bias=torch.ones(4)), ValueError, "bias must have shape (N,) = (5,)"),
     ("int bias", dict(bias=torch.ones(5, dtype=torch.int32)), TypeError, "bias must be float32, float16 or bfloat16"),
     ("int8 out", dict(out_dtype=torch.int8), TypeError, "out_dtype must be float32, float16 or bfloat16"),

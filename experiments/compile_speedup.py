@@ -232,13 +232,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.modes is None:
         args.modes = "eager,default" if args.tiny else ",".join(MODES)
+    grid = parse_plan(args, p)  # usage errors first
     if args.device is None and not (args.tiny or torch.cuda.is_available()):
         raise SystemExit("compile_speedup's full-size models need a CUDA GPU (none found): --tiny runs the smoke "
                          "test on the CPU; --device cpu runs the full grid here anyway (hours)")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = parse_device(p, args.device, STUDY)
-    grid = parse_plan(args, p)
     out = output_path(args, STUDY)
     results = Results(STUDY, device=device)
     results.annotate(tiny=args.tiny)

@@ -382,6 +382,10 @@ class _FaithfulTracer(torch.fx.Tracer):
 
     proxy_buffer_attributes = True
 
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # fuselab's fused layers are called whole, as torch.nn's are (a model patched before is traced again)
+        return isinstance(m, _FUSED_LAYERS) or super().is_leaf_module(m, module_qualified_name)
+
     def trace(self, root, concrete_args=None):
         self.modes = _modes()
         return super().trace(root, concrete_args)
@@ -463,6 +467,10 @@ def _modes_set(model: nn.Module, training: bool, grad: bool, autocast: bool):
             torch.set_autocast_enabled(device, enabled)
 
 
+# What torch.fx keeps on every GraphModule (a fuse_linear_relu result patched again is one): not the user's state
+_GRAPH_MODULE_ATTRIBUTES = frozenset({"meta", "shape_env"})
+
+
 def _snapshot_hazard(model: nn.Module) -> Optional[str]:
     """Why a GraphModule (a snapshot of ``forward``) could behave differently from ``model`` later: hooks,
     Python attributes or methods of the modules the trace goes through (not of the leaf modules it
@@ -479,7 +487,8 @@ def _snapshot_hazard(model: nn.Module) -> Optional[str]:
                      if getattr(type(module), k) is not getattr(nn.Module, k)]
         if overrides:
             return f"{where} overrides {', '.join(overrides)}, which the rewritten GraphModule would not have"
-        plain = [k for k in vars(module) if not k.startswith("_") and k != "training"]
+        own = _GRAPH_MODULE_ATTRIBUTES if isinstance(module, torch.fx.GraphModule) else ()
+        plain = [k for k in vars(module) if not k.startswith("_") and k != "training" and k not in own]
         if plain:
             return (f"{where} keeps Python attributes ({', '.join(plain)}) that a torch.fx graph would freeze "
                     "(a later change would no longer take effect)")

@@ -220,8 +220,8 @@ def main(argv=None):
                                   "'opt,opt+fuselab:train:bf16:eager,default;resnet50:infer:fp32:eager'")
     p.add_argument("--budget-min", type=positive_float, default=None,
                    help="stop starting new configurations after this many minutes")
-    p.add_argument("--device", default=None, help="default: cuda where there is one; else cpu with --tiny (the "
-                                                    "full models' grid takes hours even on a GPU: say --device cpu)")
+    p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu with --tiny; the "
+                                                    "full-size grid on a CPU (hours) needs --device cpu")
     p.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps after the first")

@@ -233,10 +233,10 @@ def main(argv=None):
     if args.modes is None:
         args.modes = "eager,default" if args.tiny else ",".join(MODES)
     grid = parse_plan(args, p)  # usage errors first
-    if args.device is None and not (args.tiny or torch.cuda.is_available()):
-        raise SystemExit("compile_speedup's full-size models need a CUDA GPU (none found): --tiny runs the smoke "
-                         "test on the CPU; --device cpu runs the full grid here anyway (hours)")
     if args.device is None:
+        if not (args.tiny or torch.cuda.is_available()):
+            raise SystemExit("compile_speedup's full-size models need a CUDA GPU (none found): --tiny runs the "
+                             "smoke test on the CPU; --device cpu runs the full grid here anyway (hours)")
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = parse_device(p, args.device, STUDY)
     out = output_path(args, STUDY)

@@ -448,21 +448,30 @@ def _graph_module(model: nn.Module) -> torch.fx.GraphModule:
 
 
 @contextlib.contextmanager
-def _modes_set(model: nn.Module, training: bool, grad: bool, autocast: bool):
-    """Every module of ``model`` in train or eval mode, grad mode and cpu/cuda autocast as given; all
-    restored on exit."""
+def training_mode(model: nn.Module, training: bool):
+    """Every module of ``model`` in train or eval mode inside, each module's own flag restored after
+    (``model.train(mode)`` sets one flag for all: a frozen BatchNorm in a training model would come back training)."""
     flags = {m: m.training for m in model.modules()}
-    autocasts = {device: torch.is_autocast_enabled(device) for device in ("cpu", "cuda")}
     try:
         for m in flags:
             m.training = training
-        for device in autocasts:
-            torch.set_autocast_enabled(device, autocast)
-        with torch.set_grad_enabled(grad):
-            yield
+        yield model
     finally:
         for m, flag in flags.items():
             m.training = flag
+
+
+@contextlib.contextmanager
+def _modes_set(model: nn.Module, training: bool, grad: bool, autocast: bool):
+    """Every module of ``model`` in train or eval mode, grad mode and cpu/cuda autocast as given; all
+    restored on exit."""
+    autocasts = {device: torch.is_autocast_enabled(device) for device in ("cpu", "cuda")}
+    try:
+        for device in autocasts:
+            torch.set_autocast_enabled(device, autocast)
+        with training_mode(model, training), torch.set_grad_enabled(grad):
+            yield
+    finally:
         for device, enabled in autocasts.items():
             torch.set_autocast_enabled(device, enabled)
 

@@ -11,7 +11,8 @@ from typing import Iterable, Tuple
 import torch
 from torch import nn
 
-from fuselab.quant.quantize import calibration_batches, evaluating
+from fuselab.nn.fuse import training_mode
+from fuselab.quant.quantize import calibration_batches
 
 
 def _torchao_pt2e():
@@ -46,7 +47,7 @@ def quantize_pt2e_x86(model: nn.Module, example_inputs: Tuple, loader: Iterable,
     # called twice (torchvision's BasicBlock ReLU) one node per call, which the quantizer's partitions need.
     batch = torch.export.Dim("batch")
     dynamic = tuple({0: batch} if isinstance(t, torch.Tensor) and t.dim() else None for t in example_inputs)
-    with evaluating(model):
+    with training_mode(model, False):
         graph = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=True).module()
     quantizer = X86InductorQuantizer()
     quantizer.set_global(default_config())

@@ -12,7 +12,6 @@ Every decision is made before anything changes. ``calibrate`` runs a few batches
 model to record each layer's input range (static activation scales) and a sample of its inputs, on
 which the report measures each quantized layer's error against its float layer.
 """
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -22,7 +21,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.nn.fuse import is_conv1d, why_not_swapped
+from fuselab.nn.fuse import is_conv1d, training_mode, why_not_swapped
 from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 from fuselab.quant.config import (
     Float8RowwiseConfig,
@@ -173,18 +172,6 @@ def calibration_batches(loader: Iterable, n_batches: int, device, desc: str, pro
         yield tuple(_to(a, device) for a in args), {k: _to(v, device) for k, v in kwargs.items()}
 
 
-@contextlib.contextmanager
-def evaluating(model: nn.Module):
-    """``model`` in eval mode inside, each module's own training flag restored after (``model.train(mode)``
-    sets one flag for all: a frozen BatchNorm in a training model would come back training)."""
-    training = {m: m.training for m in model.modules()}
-    try:
-        yield model.eval()
-    finally:
-        for m, mode in training.items():
-            m.training = mode
-
-
 def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows: int = 256,
               progress: bool = True) -> Calibration:
     """Run ``n_batches`` batches of ``loader`` through ``model`` (eval mode, no grad; the mode is
@@ -233,7 +220,7 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
     handles = [m.register_forward_pre_hook(record(name), with_kwargs=True) for name, m in layers]
     seen = 0
     try:
-        with evaluating(model), torch.no_grad():
+        with training_mode(model, False), torch.no_grad():
             for seen, (args, kwargs) in enumerate(calibration_batches(loader, n_batches, device, "calibrating",
                                                                       progress)):
                 model(*args, **kwargs)

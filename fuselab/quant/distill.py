@@ -50,8 +50,7 @@ class DistillationLoss(nn.Module):
             on CUDA fp16/bf16/fp32 logits; elsewhere, and for a backward that is itself differentiated,
             the PyTorch form. Its results match this one's to fp32 rounding at the logits' magnitude, but for
             a target outside [0, C) other than -100: its row's loss and gradient are NaN there (checking on the
-            host would wait for the GPU), where cross-entropy here raises (a device-side assert on CUDA), and
-            for logits of fp32's or bf16's finfo.min, whose sums overflow there (a row's loss is -inf or inf).
+            host would wait for the GPU), where cross-entropy here raises (a device-side assert on CUDA).
     """
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):

@@ -7,13 +7,16 @@ memory are the loss's cost. Here the forward reads the student's and teacher's l
 8 floats a row; the backward reads them again and writes the gradients once.
 
 ``loss_rows_kernel``: online (running max m, rescaled sum z) passes over the row in blocks of BLOCK
-columns give the log-sum-exps of s / T, t / T and (for the hard term) s, kept as (m, log z) pairs, and
-A = sum_i e^(t_i/T - m_t) (t_i - s_i) / T, so that
+columns give the log-sum-exps of s / T, t / T and (for the hard term) s, kept as (m, log z) pairs with
+z = sum_i e^((x_i - m) / T) (shifted before scaled: x / T overflows at finfo.min for T < 1), and the
+teacher-weighted mean of the shifted log-ratios, M = sum_i p_t,i ((t_i - m_t) - (s_i - m_s)) / T, so that
 
-    KL(p_t || p_s) = A / z_t - (m_t - m_s) - log z_t + log z_s
+    KL(p_t || p_s) = M - log z_t + log z_s
 
-without storing p_t (no m + log z is formed: at large logits it would round away the small terms; A and
-m_t - m_s still cancel where the teacher's and student's logits sit far apart, thousands of units).
+without storing p_t. M is updated as a mean (each block's terms weighted e^((t - m_t) / T) / z_t, the
+earlier columns re-based to the new maxima at their share of the mass), never formed as a sum: terms
+near finfo.min / T would overflow one, and no m + log z is formed (at large logits it would round away
+the small terms).
 ``grad_rows_kernel`` then writes, scaled by the loss's incoming gradient in fp32:
 
     d/ds_j = alpha T / N (p_s,j - p_t,j) + (1 - alpha) / n_labelled (softmax(s)_j - [j = y])
@@ -55,11 +58,12 @@ STATS = 8  # floats kept a row: m and log z of s / T, t / T and s; KL; one unuse
 
 
 @triton.jit
-def _online_lse(m, z, x):
-    # (running max, running sum of e^(x - max)) after the block x: the old sum rescaled to the new max
+def _online_lse(m, z, x, inv_T):
+    # (running max of x, running sum of e^((x - max) / T)) after the block x: the old sum rescaled to the new
+    # max. Logits are shifted before they are scaled: x / T itself overflows at finfo.min for T < 1.
     m_new = tl.maximum(m, tl.max(x, axis=0))
     safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all -inf prefix: sums stay 0, not NaN
-    return m_new, z * tl.exp(m - safe) + tl.sum(tl.exp(x - safe), axis=0), safe
+    return m_new, z * tl.exp((m - safe) * inv_T) + tl.sum(tl.exp((x - safe) * inv_T), axis=0), safe
 
 
 @triton.jit
@@ -80,11 +84,13 @@ def loss_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     s_row, t_row = s_ptr + row * stride_s, t_ptr + row * stride_t
     cols = tl.arange(0, BLOCK)
-    m_s = tl.full((), float("-inf"), tl.float32)  # s / T
+    m_s = tl.full((), float("-inf"), tl.float32)  # s, its softmax at T
     z_s = tl.zeros((), tl.float32)
-    m_t = tl.full((), float("-inf"), tl.float32)  # t / T
+    safe_s = tl.zeros((), tl.float32)
+    m_t = tl.full((), float("-inf"), tl.float32)  # t, its softmax at T
     z_t = tl.zeros((), tl.float32)
-    a_t = tl.zeros((), tl.float32)  # sum e^(t/T - m_t) (t - s) / T
+    safe_t = tl.zeros((), tl.float32)
+    mean_t = tl.zeros((), tl.float32)  # sum p_t ((t - m_t) - (s - m_s)) / T over the columns so far
     m_h = tl.full((), float("-inf"), tl.float32)  # s, the hard term's softmax
     z_h = tl.zeros((), tl.float32)
     for c0 in range(0, C, BLOCK):
@@ -92,16 +98,22 @@ def loss_rows_kernel(
         s = tl.load(s_row + c0 + cols, mask=live, other=float("-inf")).to(tl.float32)
         if SOFT:
             t = tl.load(t_row + c0 + cols, mask=live, other=float("-inf")).to(tl.float32)
-            m_old = m_t
-            m_s, z_s, _ = _online_lse(m_s, z_s, s * inv_T)
-            m_t, z_t, safe_t = _online_lse(m_t, z_t, t * inv_T)
-            e_t = tl.exp(t * inv_T - safe_t)
-            a_t = a_t * tl.exp(m_old - safe_t) + tl.sum(tl.where(e_t > 0, e_t * (t - s) * inv_T, 0.0), axis=0)
+            safe_s_old, safe_t_old, m_t_old, z_t_old = safe_s, safe_t, m_t, z_t
+            m_s, z_s, safe_s = _online_lse(m_s, z_s, s, inv_T)
+            m_t, z_t, safe_t = _online_lse(m_t, z_t, t, inv_T)
+            # A weighted mean, not a sum (terms near finfo.min / T would overflow a sum): the columns so far,
+            # their log-ratios re-based to the new maxima, at their share of the teacher's mass, then this
+            # block's, each weighted e^((t - m_t) / T) / z_t.
+            e_t = tl.exp((t - safe_t) * inv_T)
+            ratio = ((t - safe_t) - (s - safe_s)) * inv_T
+            share = z_t_old * tl.exp((m_t_old - safe_t) * inv_T) / z_t
+            old = (mean_t + ((safe_s - safe_s_old) - (safe_t - safe_t_old)) * inv_T) * share
+            mean_t = tl.where(share > 0, old, 0.0) + tl.sum(tl.where(e_t > 0, e_t * (1.0 / z_t) * ratio, 0.0), axis=0)
         if HARD:
-            m_h, z_h, _ = _online_lse(m_h, z_h, s)
+            m_h, z_h, _ = _online_lse(m_h, z_h, s, 1.0)
     lz_s, lz_t, lz_h = tl.log(z_s), tl.log(z_t), tl.log(z_h)
     # a row the teacher masks whole (every logit -inf: a padding position) adds nothing, as in the PyTorch form
-    kl = tl.where(m_t == float("-inf"), 0.0, a_t / z_t - (m_t - m_s) - lz_t + lz_s)
+    kl = tl.where(m_t == float("-inf"), 0.0, mean_t - lz_t + lz_s)
     loss = tl.zeros((), tl.float32)
     if SOFT:
         loss += soft_w * kl
@@ -151,8 +163,8 @@ def grad_rows_kernel(
         ds = tl.zeros((BLOCK,), tl.float32)
         if SOFT:
             t = tl.load(t_row + c0 + cols, mask=live, other=float("-inf")).to(tl.float32)
-            log_p_t = (t * inv_T - m_t) - lz_t
-            log_p_s = (s * inv_T - m_s) - lz_s
+            log_p_t = (t - m_t) * inv_T - lz_t
+            log_p_s = (s - m_s) * inv_T - lz_s
             p_t = tl.exp(log_p_t)  # NaN in a row the teacher masks whole: its soft gradient is 0
             ds += tl.where(m_t == float("-inf"), 0.0, soft_g * (tl.exp(log_p_s) - p_t))
             if WRITE_DT:

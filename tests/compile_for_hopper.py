@@ -149,10 +149,12 @@ def group_quant():
 
 
 def group_rowwise():
-    """The one-pass activation quantization: int8 and fp8 rows, int8 with a static scale, short and long rows."""
+    """The activation quantization: int8 and fp8 rows, int8 with a static scale, short and long rows (one pass up
+    to 8192, two above)."""
     from fuselab.quant import rowwise
 
-    for fp8, static, K in ((False, False, 2048), (False, True, 2048), (True, False, 2048), (False, False, 8192)):
+    for fp8, static, K in ((False, False, 2048), (False, True, 2048), (True, False, 2048), (False, False, 8192),
+                           (False, False, 11008)):
         x = torch.empty(64, K, dtype=torch.bfloat16)
         q = torch.empty(64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
         for launch in record_plain(rowwise, lambda: rowwise._quantize_rows(x, q, torch.empty(64), static)):

@@ -149,8 +149,8 @@ def group_quant():
 
 
 def group_rowwise():
-    """The activation quantization: int8 and fp8 rows, int8 with a static scale, short and long rows (one pass up
-    to 8192, two above)."""
+    """The activation quantization: int8 and fp8 rows, int8 with a static scale, short and long rows (read once or
+    in two passes)."""
     from fuselab.quant import rowwise
 
     for fp8, static, K in ((False, False, 2048), (False, True, 2048), (True, False, 2048), (False, False, 8192),

@@ -7,7 +7,7 @@ int8 rounds half to even (as ``torch.round``), fp8 e4m3 is cast round-to-nearest
 clamp (e4m3fn has no infinity: a quotient past 448 would become NaN). A quantized layer quantizes its
 input on every call; by PyTorch's ops that is seven passes over the activations and two fp32
 temporaries, which cost more than the INT8 GEMM saves at prefill sizes. The kernel reads each row
-once where it fits one block (K <= 8192; else twice, the second read from L2) and writes the 1-byte
+once where it fits one block (K <= 4096 or 7168 < K <= 8192; else twice, the second read from L2) and writes the 1-byte
 values and the scale once.
 
 Where it runs: the Triton kernel on CUDA and in the interpreter; PyTorch's ops elsewhere, with the
@@ -124,12 +124,14 @@ def _quantize_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, static
         plan_key = ("quantize_rows", x.get_device(), static, plan_layout(x), plan_layout(q), plan_layout(scale))
         if launch_planned(plan_key, x, q, scale):
             return
-    # Rows up to 8192 read once (8 warps for 8192, else 4: the fastest of 1-16 warps on the H200 at K 768-11008).
-    block_k = triton.next_power_of_2(max(K, 16)) if K <= 8192 else 4096
+    # Rows up to 4096 read once at 4 warps, and up to 8192 at 8 where at most 1/8 of the block is masked (the
+    # fastest of the H200 sweep at K 768-11008; at 5120 a 8192 block was slower than two passes of 4096).
+    block_k = triton.next_power_of_2(max(K, 16))
+    block_k = block_k if block_k <= 4096 or (block_k == 8192 and K > 7168) else 4096
     to_int8 = q.dtype == torch.int8
     launch(quantize_rows_kernel, (M,), x, q, scale, K, x.stride(0), q.stride(0),
            QMAX=float(INT8_QMAX if to_int8 else FP8_MAX), TINY=_TINY, TO_INT8=to_int8, STATIC=static,
-           ONE_PASS=K <= block_k and not static, BLOCK_K=block_k, num_warps=8 if block_k > 4096 else 4,
+           ONE_PASS=K <= block_k and not static, BLOCK_K=block_k, num_warps=4 if K <= 4096 else 8,
            plan_key=plan_key)
 
 

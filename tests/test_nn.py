@@ -390,6 +390,12 @@ def test_filter_fn_that_raises_changes_nothing():
     assert report.fused == ["0"] and report.skipped["2"] == "vetoed by filter_fn", str(report)
 
 
+def test_the_report_quotes_layer_names():
+    # A Sequential's children are named by index: unquoted, "fused    0" read like a count.
+    _, report = fuse_linear_relu(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    assert str(report).splitlines()[1:] == ["  fused    '0'", "  skipped  '2': followed by nothing, not ReLU"]
+
+
 def test_unsupported_dtype_left_alone():
     for model, name, x in [(_relu_mlp(1).double(), "0", torch.randn(2, 6)),
                            (FxNet().double(), "fc1", torch.randn(2, 8))]:

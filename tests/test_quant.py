@@ -710,7 +710,7 @@ def test_report_says_what_was_replaced_and_why_the_rest_was_not():
     assert type(model["sub"]) is Sub and type(model["attn"].out_proj) is not Int8Linear and model["masked"] is masked
     text = str(report)
     assert "quantized 3 layer(s) with Int8DynamicActivationInt8WeightConfig; left 6 alone" in text
-    assert "skipped  vetoed: vetoed by filter_fn" in text
+    assert "skipped  'vetoed': vetoed by filter_fn" in text
 
 
 def test_static_config_leaves_uncalibrated_layers_alone_and_reports_errors():

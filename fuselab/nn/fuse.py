@@ -101,8 +101,9 @@ class FusionReport:
 
     def __str__(self) -> str:
         lines = [f"fused {len(self.fused)} Linear+ReLU ({self.method}); left {len(self.skipped)} Linear alone"]
-        lines += [f"  fused    {name}" for name in self.fused]
-        lines += [f"  skipped  {name}: {why}" for name, why in self.skipped.items()]
+        # names quoted: a Sequential's children are named "0", "1", ..., which would read as counts
+        lines += [f"  fused    {name!r}" for name in self.fused]
+        lines += [f"  skipped  {name!r}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
 

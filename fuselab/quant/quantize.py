@@ -252,8 +252,8 @@ class QuantizationReport:
                  f"left {len(self.skipped)} alone"]
         for name, what in self.replaced.items():
             error = f"  relative error {self.errors[name]:.2e}" if name in self.errors else ""
-            lines.append(f"  replaced {name}: {what}{error}")
-        lines += [f"  skipped  {name}: {why}" for name, why in self.skipped.items()]
+            lines.append(f"  replaced {name!r}: {what}{error}")  # quoted, as FusionReport's names
+        lines += [f"  skipped  {name!r}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
 

@@ -612,42 +612,6 @@ def test_a_captured_graph_quantizes_its_input_on_every_replay():
         assert torch.equal(y, model(x))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_layers_reading_one_tensor_quantize_it_once(device, kind, monkeypatch):
-    # An attention's q, k and v read one tensor: one quantization serves all three, with the bits each would
-    # get alone; a changed, new, inference or traced tensor, or the other format, is quantized again.
-    _skip_fp8_without_hardware(device, kind)
-    modules = importlib.import_module("fuselab.quant.modules")
-    calls = []
-    for name in ("quantize_int8_rowwise", "quantize_fp8_rowwise"):
-        original = getattr(modules, name)
-        monkeypatch.setattr(modules, name, lambda x, original=original: calls.append(x) or original(x))
-    make = Float8Linear.from_float if kind == "fp8" else Int8Linear.from_float
-    q, k, v = (make(nn.Linear(32, 16, device=device)) for _ in range(3))
-    other_format = (Int8Linear if kind == "fp8" else Float8Linear).from_float(nn.Linear(32, 16, device=device))
-    x = torch.randn(5, 32, device=device)
-    with torch.no_grad():
-        alone = [layer(x.clone()) for layer in (q, k, v)]
-        calls.clear()
-        assert all(torch.equal(layer(x), y) for layer, y in zip((q, k, v), alone)) and len(calls) == 1
-        x[0, 0] += 1  # in place: a new version
-        q(x)
-        x2 = x.clone()  # the same values, another tensor
-        k(x2)
-        with torch.inference_mode():
-            frozen = x.clone()
-            q(frozen), k(frozen)  # no version counter: never shared
-        assert len(calls) == 5
-        for _ in range(3):  # a dead input's address taken by a new tensor of the same version
-            y = torch.randn(5, 32, device=device)
-            q(y)
-            del y
-        assert len(calls) == 8
-        k(x2), other_format(x2)
-        assert len(calls) == 10
-
-
 @pytest.mark.parametrize("config", ["int8-dynamic", "int8-static", "fp8"])
 def test_every_config_on_an_mlp(config):
     model, x = _mlp(), torch.randn(9, 24)

@@ -6,9 +6,7 @@ output has the input's dtype (autocast's under autocast). Inference only: the te
 and no gradient flows through a quantized layer. State-dict keys: ``weight`` (the quantized
 weight), ``weight_scale``, ``bias`` and, for static activations, ``act_scale``.
 """
-import threading
-import weakref
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +14,7 @@ from torch import nn
 from torch.autograd import forward_ad
 from torch.nn.modules.utils import _pair
 
-from fuselab.kernels._runtime import SUPPORTED_DTYPES, in_dual_level, untraced
+from fuselab.kernels._runtime import SUPPORTED_DTYPES, in_dual_level
 from fuselab.nn.linear_relu import FusedLinearReLU, refuse_torchscript
 from fuselab.quant.config import positive_scale
 from fuselab.quant.fp8_gemm import fp8_matmul
@@ -40,38 +38,6 @@ def _refuse_forward_ad(x: torch.Tensor) -> None:
         raise NotImplementedError("a quantized layer (fuselab.quant) has no forward-mode derivative (rounding has "
                                   "none): torch.func.jvp/jacfwd and torch.autograd.forward_ad through a quantized "
                                   "layer's input would give zero tangents; differentiate the float model")
-
-
-class _LastQuantized(threading.local):
-    """The last input a layer quantized per row, and the result: layers that read one tensor (an attention's
-    q, k and v projections) quantize it once."""
-    source: Optional[weakref.ref] = None
-    key: tuple = ()
-    result: Tuple[torch.Tensor, torch.Tensor] = ()
-
-
-_last_quantized = _LastQuantized()
-
-
-def _forget(source: weakref.ref) -> None:
-    if _last_quantized.source is source:  # the input is gone: so is the reason to hold its quantized copy
-        _last_quantized.source, _last_quantized.result = None, ()
-
-
-def _quantize_rowwise(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_{fp8,int8}_rowwise(x)``; the previous call's result again where ``x`` is the same tensor with
-    the same contents (its version counter, which every in-place change bumps, and its data pointer and
-    layout). Not shared: inference tensors (no version counter), traced calls, calls inside a CUDA graph
-    capture (a graph must hold its own quantization)."""
-    quantize = quantize_fp8_rowwise if fp8 else quantize_int8_rowwise
-    if not untraced(x) or x.is_inference() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return quantize(x)
-    key = (fp8, x._version, x.data_ptr(), x.shape, x.stride())
-    last = _last_quantized
-    if last.source is not None and last.source() is x and last.key == key:
-        return last.result
-    last.source, last.key, last.result = weakref.ref(x, _forget), key, quantize(x)
-    return last.result
 
 
 class _NoBackward(torch.autograd.Function):
@@ -196,7 +162,7 @@ class Int8Linear(_QuantizedLinear):
         self._check_width(x)
         out_dtype = _output_dtype(x)
         if self.act_scale is None:
-            xq, x_scale = _quantize_rowwise(x, fp8=False)
+            xq, x_scale = quantize_int8_rowwise(x)
         else:
             xq, x_scale = quantize_int8_static(x, self.act_scale), self.act_scale
         y = int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
@@ -223,7 +189,7 @@ class Float8Linear(_QuantizedLinear):
         _refuse_forward_ad(x)
         self._check_width(x)
         out_dtype = _output_dtype(x)
-        xq, x_scale = _quantize_rowwise(x, fp8=True)
+        xq, x_scale = quantize_fp8_rowwise(x)
         y = fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
         return self._inference_only(y, x)
 

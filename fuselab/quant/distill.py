@@ -50,7 +50,10 @@ class DistillationLoss(nn.Module):
             on CUDA fp16/bf16/fp32 logits; elsewhere, and for a backward that is itself differentiated,
             the PyTorch form. Its results match this one's to fp32 rounding at the logits' magnitude, but for
             a target outside [0, C) other than -100: its row's loss and gradient are NaN there (checking on the
-            host would wait for the GPU), where cross-entropy here raises (a device-side assert on CUDA).
+            host would wait for the GPU), where cross-entropy here raises (a device-side assert on CUDA), and
+            for a row whose logits span more than fp32's largest value (finfo.min beside 1e38): the kernels
+            shift each logit by its row's largest before scaling by 1/T, so at T > 1 such a row's loss is inf
+            where this form, scaling first, can still hold it.
     """
 
     def __init__(self, temperature: float = 4.0, alpha: float = 0.9, fused: bool = False):

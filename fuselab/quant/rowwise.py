@@ -7,8 +7,8 @@ int8 rounds half to even (as ``torch.round``), fp8 e4m3 is cast round-to-nearest
 clamp (e4m3fn has no infinity: a quotient past 448 would become NaN). A quantized layer quantizes its
 input on every call; by PyTorch's ops that is seven passes over the activations and two fp32
 temporaries, which cost more than the INT8 GEMM saves at prefill sizes. The kernel reads each row
-once where it fits one block (K <= 4096 or 7168 < K <= 8192; else twice, the second read from L2) and writes the 1-byte
-values and the scale once.
+once where it fits one block (K <= 4096 or 7168 < K <= 8192; else twice, the second read from L2) and
+writes the 1-byte values and the scale once.
 
 Where it runs: the Triton kernel on CUDA and in the interpreter; PyTorch's ops elsewhere, with the
 same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits

@@ -195,21 +195,27 @@ def test_cpp_autograd_node_double_backward_and_partial_grads_on_a_cpu(ext):
     assert torch.equal(ggx, torch.zeros_like(x))
 
 
-def _plan(signature, values, slots, **metadata):
+def _plan(signature, values, slots, float_slots=(), **metadata):
     compiled = types.SimpleNamespace(src=types.SimpleNamespace(signature=signature),
                                      metadata=types.SimpleNamespace(**metadata))
-    return types.SimpleNamespace(compiled=compiled, values=values, slots=slots)
+    return types.SimpleNamespace(compiled=compiled, values=values, slots=slots, float_slots=list(float_slots))
 
 
 def test_kernel_params_are_packed_as_tritons_launcher_passes_them():
     signature = {"x_ptr": "*bf16", "bias_ptr": "constexpr", "M": "i32", "stride": "constexpr",
                  "big": "i64", "lr": "fp32", "eps": "fp64", "BLOCK": "constexpr", "y_ptr": "*fp32"}
     values = [None, None, -3, 1, 2**40, 0.5, 0.25, 64, None]
-    params, slots = eager_path._kernel_params(_plan(signature, values, [0, 8]))
+    params, slots, float_slots = eager_path._kernel_params(_plan(signature, values, [0, 8]))
     # constexprs (None pointers and ints specialized to 1 too) take no slot; two scratch pointers end it
     assert params == [0, 2**64 - 3, 2**40, 0x3F000000, 0x3FD0000000000000, 0, 0, 0]
-    assert slots == [0, 5]
+    assert slots == [0, 5] and float_slots == []
     assert params[1] & 0xFFFFFFFF == 2**32 - 3  # the low 4 bytes are the i32 the kernel reads
+    # a plan that passes its fp32 arguments at each launch (SparseAdamW's hyperparameters): 0 in their slots
+    params, slots, float_slots = eager_path._kernel_params(_plan(signature, values, [0, 5, 8], float_slots=[5]))
+    assert params == [0, 2**64 - 3, 2**40, 0, 0x3FD0000000000000, 0, 0, 0]
+    assert slots == [0, 5] and float_slots == [3]
+    fp64 = {**signature, "lr": "fp64"}  # only fp32 slots are passed per launch
+    assert eager_path._kernel_params(_plan(fp64, values, [0, 5, 8], float_slots=[5])) is None
 
 
 def test_kernel_params_refuse_what_the_path_cannot_pass():

@@ -189,6 +189,34 @@ def test_fused_update_input_layouts(device, layout):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nnz", [1, 255, 257, 2049, 20_000])
+def test_sort_ids_matches_torch_stable_sort(device, nnz):
+    # sort_ids: one block, one merge pass, a merge pass that is not the last (both key buffers), a short last
+    # group of runs; ids out of range clamped to -1 and rows, as the update's guard expects them.
+    rows = 3000
+    ids = torch.randint(0, rows, (nnz,), device=device)
+    ids[::5] = ids[0]  # long runs of one id: equal ids keep lookup order
+    if nnz > 10:
+        ids[3], ids[7] = -4, rows + 11
+    sorted_ids, order = kernel_module.sort_ids(ids, rows, None)
+    expected_ids, expected_order = torch.sort(ids.clamp(-1, rows), stable=True)
+    assert sorted_ids.dtype == order.dtype == torch.int32
+    assert torch.equal(sorted_ids.long(), expected_ids) and torch.equal(order.long(), expected_order)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_is_the_same_past_the_triton_sort(device, monkeypatch):
+    # Past TRITON_SORT_MAX lookups torch.sort serves the step: the same update, bit for bit.
+    idx = torch.randint(0, 300, (3000,), device=device)
+    values = torch.randn(3000, 24, device=device)
+    state = random_state(300, 24, torch.float32, device)
+    ours = fused_step(state, idx, values, 4, HP)
+    monkeypatch.setattr(kernel_module, "TRITON_SORT_MAX", 100)
+    for a, b in zip(ours, fused_step(state, idx, values, 4, HP)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_row_looked_up_thousands_of_times(device):
     # 4096 lookups of one row among a few others: 64 chunks summed in parallel, then in order by one
     # program (the lookup-order walk this replaced was quadratic in a row's repeats).
@@ -864,6 +892,9 @@ def test_planned_launches_match_triton_launches_bit_for_bit(monkeypatch, device=
     # lr each step (a scheduler) included, with the same bits as Triton's own launches.
     sa = kernel_module
     runtime = importlib.import_module("fuselab.kernels._runtime")
+    from fuselab.kernels import eager_path
+
+    monkeypatch.setattr(eager_path, "extension", None)  # the Python path's plans (the C++ path's: test_cpp_eager_...)
     relaunched = []
     call = runtime._LaunchPlan.__call__
     monkeypatch.setattr(runtime._LaunchPlan, "__call__", lambda self, t: relaunched.append(1) or call(self, t))
@@ -884,6 +915,53 @@ def test_planned_launches_match_triton_launches_bit_for_bit(monkeypatch, device=
         finals.append(emb.weight.detach().clone())
     assert torch.equal(finals[0], finals[1])
     assert len(relaunched) >= 2 * 7  # both kernels, every step after the first
+
+
+@pytest.mark.gpu
+def test_cpp_eager_steps_match_python_steps_bit_for_bit(monkeypatch, device="cuda"):
+    # The C++ eager path (eager_path.sparse_adamw_step) serves every step after the first of each layout: the
+    # sort's one-block and merge-pass launches or torch.sort, both update kernels, a new lr each step, maximize,
+    # bf16, a step count on the device; the same bits as the Python path's, and the same counts and versions.
+    from fuselab.kernels import eager_path
+
+    python_steps = []
+    python_step = kernel_module.sparse_adamw_triton
+    monkeypatch.setattr(kernel_module, "sparse_adamw_triton",
+                        lambda *a, **k: python_steps.append(1) or python_step(*a, **k))
+    torch.manual_seed(0)
+    sizes = (700, 20_000, 20_000, 700, 20_000, 9000, 9000, 70_000, 70_000)  # past TRITON_SORT_MAX: torch.sort
+    assert kernel_module.TRITON_SORT_MAX < 70_000
+    batches = [zipf_ids(1.1, 3000, n, device) for n in sizes]
+    finals = []
+    for cpp in (False, True):
+        python_steps.clear()
+        eager_path.enable(cpp)
+        emb = torch.nn.Embedding(3000, 72, sparse=True, device=device)
+        emb16 = torch.nn.Embedding(3000, 40, sparse=True, device=device, dtype=torch.bfloat16)
+        for e, seed in ((emb, 1), (emb16, 2)):
+            torch.nn.init.normal_(e.weight, generator=torch.Generator(device).manual_seed(seed))
+        opt = SparseAdamW([{"params": [emb.weight]}, {"params": [emb16.weight], "maximize": True}],
+                          lr=1e-2, weight_decay=0.1)
+        versions = []
+        for k, i in enumerate(batches):
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 / (k + 1)
+            opt.zero_grad(set_to_none=True)
+            (emb(i).square().sum() + emb16(i).float().square().sum()).backward()
+            before = emb.weight._version
+            opt.step()
+            versions.append(emb.weight._version > before)
+        finals.append((emb.weight.detach().clone(), emb16.weight.detach().clone(),
+                       opt.state[emb.weight]["step"].item(), opt.state[emb16.weight]["exp_avg_sq"].clone()))
+        assert all(versions)
+        if cpp:  # the first step of each of the four layouts, for each parameter, took Python's path
+            assert eager_path.extension is not None and len(python_steps) == 2 * 4
+        else:
+            assert len(python_steps) == 2 * len(batches)
+    eager_path.enable(True)
+    for a, b in zip(*finals):
+        assert a == b if isinstance(a, float) else torch.equal(a, b)
+    assert finals[1][2] == len(batches)
 
 
 @pytest.mark.gpu

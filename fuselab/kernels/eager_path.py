@@ -6,6 +6,9 @@ host-bound. The C++ path makes the same call as one C++ function: the checks, th
 autograd node, and a ``cuLaunchKernelEx`` of the cubin Triton compiled for the chosen config (a
 launch plan, as AOTInductor launches Triton kernels). Its backward is C++ too.
 
+SparseAdamW's eager step takes the same road (``sparse_adamw_step``): the count, the sort's and the update's
+planned launches and the row-id guard, in one C++ call (its plans: ``SPARSE_ADAMW_KIND``).
+
 Python keeps everything else: Triton compiles and the autotuner chooses; each eager launch that
 Python's ``_gemm`` makes is registered here (``register_plan``) under a key of the tensors' layouts
 (a GEMM the tuner gave to cuBLAS is registered as that call: ``LIBRARY_CALLS``);
@@ -35,6 +38,9 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "eager_path.cpp"
 
 # The first int of a GEMM plan's key; eager_path.cpp's kGemmKind (checked when it loads).
 GEMM_KIND = 1
+# The first int of a SparseAdamW launch's key and its launch indices (sort, segment, crossing); eager_path.cpp's.
+SPARSE_ADAMW_KIND = 2
+SPARSE_ADAMW_LAUNCHES = (0, 100, 101)
 # The library calls a plan may stand for (``_autotune.LibraryChoice`` names), as eager_path.cpp numbers them.
 LIBRARY_CALLS = {"cublas": 1}
 
@@ -53,6 +59,15 @@ def call(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
     if torch.compiler.is_compiling() or extension is None or forward_ad._current_level >= 0:
         return None
     return extension.matmul_relu(a, weight, bias, linear, autocast)
+
+
+def sparse_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, indices: torch.Tensor,
+                      values: torch.Tensor, step: torch.Tensor, floats: Sequence[float], maximize: bool) -> bool:
+    """Count the step and apply ``sparse_adamw_update_`` by the C++ path (``floats``: the kernels' float
+    arguments, ``sparse_adamw.kernel_floats``); False, with nothing done, where the Python path must serve it."""
+    if torch.compiler.is_compiling() or extension is None:
+        return False
+    return extension.sparse_adamw_step(param, exp_avg, exp_avg_sq, indices, values, step, floats, maximize)
 
 
 def may_plan() -> bool:
@@ -96,18 +111,19 @@ def register_plan(key_ints: Sequence[int], key_tensors: Sequence[Optional[torch.
     params = _kernel_params(plan)
     if params is None:
         return
-    values, tensor_slots = params
+    values, tensor_slots, float_slots = params
     compiled = plan.compiled
     num_warps, _, shared = compiled.packed_metadata  # one CTA per program: _kernel_params checked
     scratch = compiled.metadata.global_scratch_size * plan.grid[0] * plan.grid[1] * plan.grid[2]
     ext.register_plan(list(key_ints), list(key_tensors), plan.device, compiled.function, list(plan.grid),
-                      num_warps, shared, scratch, values, tensor_slots)
+                      num_warps, shared, scratch, values, tensor_slots, float_slots)
 
 
 def _kernel_params(plan):
     """The kernel's parameters as Triton's launcher passes them (its non-constexpr arguments in
     order, then the global and profile scratch pointers), each packed into an 8-byte slot with 0 at
-    each tensor's slot; None where the kernel takes something this path does not pass, or is launched
+    each tensor's slot and each fp32 slot passed at each launch (a plan's ``float_slots``), and those
+    slots; None where the kernel takes something this path does not pass, or is launched
     in a way it does not launch (clusters, cooperative or programmatic-dependent launches, profiling)."""
     compiled = plan.compiled
     metadata = compiled.metadata
@@ -117,13 +133,17 @@ def _kernel_params(plan):
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if not isinstance(signature, dict) or len(signature) != len(plan.values):
         return None
-    tensor_slots_of = set(plan.slots)
-    values, tensor_slots = [], []
+    float_slots_of = set(getattr(plan, "float_slots", ()))
+    tensor_slots_of = set(plan.slots) - float_slots_of
+    values, tensor_slots, float_slots = [], [], []
     for i, (ty, value) in enumerate(zip(signature.values(), plan.values)):
         if ty == "constexpr":
             continue
         if i in tensor_slots_of and isinstance(ty, str) and ty.startswith("*"):
             tensor_slots.append(len(values))
+            values.append(0)
+        elif i in float_slots_of and ty in ("fp32", "f32"):
+            float_slots.append(len(values))
             values.append(0)
         elif ty in _INT_TYPES and isinstance(value, (bool, int)):
             values.append(int(value) & 0xFFFFFFFFFFFFFFFF)
@@ -133,9 +153,9 @@ def _kernel_params(plan):
             values.append(struct.unpack("<Q", struct.pack("<d", value))[0])
         else:
             return None
-    if len(tensor_slots) != len(plan.slots):
+    if len(tensor_slots) + len(float_slots) != len(plan.slots):
         return None
-    return values + [0, 0], tensor_slots
+    return values + [0, 0], tensor_slots, float_slots
 
 
 def _load():
@@ -155,12 +175,16 @@ def _load():
         warnings.warn(f"fuselab: the C++ eager path could not be built, eager calls take the Python path "
                       f"(more host time per call): {e}", RuntimeWarning, stacklevel=3)
         return None
-    if ext.GEMM_KIND != GEMM_KIND or ext.LIBRARY_CALLS != LIBRARY_CALLS:
-        raise RuntimeError(f"fuselab: {SOURCE.name} was built with GEMM_KIND {ext.GEMM_KIND} and library calls "
-                           f"{ext.LIBRARY_CALLS}, expected {GEMM_KIND} and {LIBRARY_CALLS}")
+    built = (ext.GEMM_KIND, ext.LIBRARY_CALLS, ext.SPARSE_ADAMW_KIND, tuple(ext.SPARSE_ADAMW_LAUNCHES))
+    expected = (GEMM_KIND, LIBRARY_CALLS, SPARSE_ADAMW_KIND, SPARSE_ADAMW_LAUNCHES)
+    if built != expected:
+        raise RuntimeError(f"fuselab: {SOURCE.name} was built with (GEMM_KIND, library calls, SPARSE_ADAMW_KIND, "
+                           f"its launches) {built}, expected {expected}")
+    from fuselab.kernels import sparse_adamw
     from fuselab.kernels.matmul_relu_triton import _gemm
 
     ext.set_gemm_fallback(_gemm)
+    ext.set_sparse_constants(*sparse_adamw.cpp_constants())
     extension, _load_state = ext, "loaded"
     return ext
 

@@ -3,8 +3,15 @@
 The gradient arrives uncoalesced: ``nn.Embedding(sparse=True)`` emits one (id, gradient row) pair per
 lookup, so a row looked up L times appears L times, anywhere in the list. One step:
 
-1. ``torch.sort(ids, stable=True)`` (4-byte keys, a radix sort on the GPU) makes each row's lookups
-   one contiguous *segment* of the sorted positions, in lookup order.
+1. A stable sort of the ids makes each row's lookups one contiguous *segment* of the sorted
+   positions, in lookup order. Its keys are (id + 1) * 2**32 + lookup position: all distinct, so
+   no two ever tie and equal ids keep lookup order. ``rank_blocks_kernel`` sorts blocks of
+   SORT_BLOCK keys (a key's place is the number of smaller keys in its block); each pass of
+   ``merge_kernel`` makes FAN sorted runs one (a key's place is the sum over the runs of the number
+   of smaller keys in each, found by binary search); the last launch writes the sorted ids and the
+   permutation (int32): three launches for 65,536 lookups. torch.sort (cub's radix sort) makes a
+   dozen launches and waits for the GPU to catch up, which ties an eager step's host time to its GPU
+   time; it sorts steps of more than TRITON_SORT_MAX lookups, where it takes less GPU time.
 2. ``segment_kernel``: the sorted positions are cut into chunks of CHUNK. One program per chunk and
    block of columns gathers its chunk's gradient rows through the sort's permutation and sums each
    segment's piece of the chunk with a segmented scan (log2(CHUNK) shift-and-add steps; the scan is
@@ -27,7 +34,8 @@ can be captured in a CUDA graph.
 Cost model, for n lookups of U distinct rows of D columns (any distribution of ids, including all n
 lookups on one row):
 
-- the sort: O(n), a few passes over 12 bytes a lookup (int32 ids, int64 permutation);
+- the sort: n SORT_BLOCK key comparisons, then ceil(log_FAN(n / SORT_BLOCK)) passes over 8 bytes
+  a lookup, each key binary-searching FAN runs (loads from L2); 8 bytes a lookup written last;
 - ``segment_kernel``: every gradient row and id read once (n D), at most 2 partial rows written per
   chunk (2 n D / CHUNK);
 - ``crossing_kernel``: every head read at most once (n D / CHUNK in all); its one sequential part is a
@@ -35,7 +43,7 @@ lookups on one row):
   a few iterations even when one row holds every lookup;
 - between them, p, m and v of every touched row read and written once (6 U D);
 - parallelism: n / CHUNK programs (times the column blocks) in each kernel, whatever the repeats;
-- scratch: the sorted ids and permutation (12 n bytes) and the partial rows (2 / CHUNK of an fp32
+- scratch: the sort's keys (16 n bytes), the sorted ids and permutation (8 n bytes) and the partial rows (2 / CHUNK of an fp32
   gradient).
 
 Math is fp32 for fp32/bf16/fp16 parameters (rows are loaded, updated and stored in their dtype), with
@@ -56,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels import eager_path
 from fuselab.kernels._casts import cast_rne
 from fuselab.kernels._runtime import (
     ExecutionPath,
@@ -73,6 +82,13 @@ CHUNK = 64  # sorted positions one segment_kernel program sums (a power of two)
 PLANNED_LAUNCHES = True
 LOG2_CHUNK = CHUNK.bit_length() - 1
 TILE = 4096  # elements of a program's (positions, columns) tile: 32 fp32 registers a thread at 4 warps
+# The sort's settings, the fastest of a sweep on the H100 (docs/notes/kernel_trials.md). Past TRITON_SORT_MAX
+# lookups torch.sort (cub's radix sort) takes less GPU time and its host time matters less.
+SORT_BLOCK = 256  # keys rank_blocks_kernel sorts a program (n SORT_BLOCK comparisons in all)
+SORT_SUB = 32  # keys each of its loop's steps compares every key with
+FAN = 8  # sorted runs a merge pass makes one (FAN binary searches a key)
+MERGE_TILE = 256  # keys a merge_kernel program places (divides SORT_BLOCK, the unit of the padded length)
+TRITON_SORT_MAX = 65536
 
 
 @triton.jit
@@ -201,6 +217,82 @@ def crossing_kernel(
                one_minus_beta1, beta2_hi, beta2_lo, one_minus_beta2, eps, decay, MAXIMIZE)
 
 
+@triton.jit
+def _sort_keys(indices_ptr, pos, nnz, n_rows):
+    # (id + 1) * 2**32 + position; ids clamped to [-1, rows] (check_row_ids stops such a step; the update skips
+    # those rows); positions past nnz (a block's padding) sort after every id, each at its own position.
+    live = pos < nnz
+    ids = tl.load(indices_ptr + pos, mask=live, other=0).to(tl.int64)
+    ids = tl.where(live, tl.minimum(tl.maximum(ids, -1), n_rows), n_rows + 1)
+    return ((ids + 1) << 32) | pos
+
+
+@triton.jit
+def _store_sorted(key, place, keys_ptr, ids_ptr, order_ptr, nnz, FINAL: tl.constexpr):
+    if FINAL:  # the sorted ids and the permutation; the padding's places (>= nnz) are not stored
+        real = place < nnz
+        tl.store(ids_ptr + place, ((key >> 32) - 1).to(tl.int32), mask=real)
+        tl.store(order_ptr + place, (key & 0xFFFFFFFF).to(tl.int32), mask=real)
+    else:
+        tl.store(keys_ptr + place, key)
+
+
+@triton.jit
+def rank_blocks_kernel(indices_ptr, keys_ptr, ids_ptr, order_ptr, nnz, n_rows,
+                       BLOCK: tl.constexpr, SUB: tl.constexpr, FINAL: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    key = _sort_keys(indices_ptr, start + tl.arange(0, BLOCK), nnz, n_rows)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j in range(0, BLOCK, SUB):  # keys are distinct: a key's rank is the number of smaller keys
+        other = _sort_keys(indices_ptr, start + j + tl.arange(0, SUB), nnz, n_rows)
+        rank += tl.sum((other[None, :] < key[:, None]).to(tl.int32), axis=1)
+    _store_sorted(key, start + rank, keys_ptr, ids_ptr, order_ptr, nnz, FINAL)
+
+
+@triton.jit
+def merge_kernel(src_ptr, keys_ptr, ids_ptr, order_ptr, nnz, n_padded, run,
+                 FAN: tl.constexpr, TILE: tl.constexpr, FINAL: tl.constexpr):
+    # FAN consecutive sorted runs of ``run`` keys (the last ones may be short or absent) become one.
+    i = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    key = tl.load(src_ptr + i)
+    group = i // (run * FAN) * (run * FAN)
+    starts = group[:, None] + tl.arange(0, FAN)[None, :].to(tl.int64) * run
+    # Per run, the number of keys smaller than ``key``: binary search (lower bound) over run = 2**k slots,
+    # slots past the array reading as larger than any key. In its own run that is the key's index.
+    count = tl.zeros([TILE, FAN], dtype=tl.int64)
+    half = run // 2
+    while half > 0:
+        at = starts + count + half - 1
+        probe = tl.load(src_ptr + at, mask=at < n_padded, other=0x7FFFFFFFFFFFFFFF)
+        count = tl.where(probe < key[:, None], count + half, count)
+        half = half // 2
+    at = starts + count
+    probe = tl.load(src_ptr + at, mask=at < n_padded, other=0x7FFFFFFFFFFFFFFF)
+    count += (probe < key[:, None]).to(tl.int64)
+    _store_sorted(key, group + tl.sum(count, axis=1), keys_ptr, ids_ptr, order_ptr, nnz, FINAL)
+
+
+def kernel_floats(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> tuple:
+    """The update kernels' float arguments: lr, beta1 and beta2 as fp32 halves with 1 - beta each, eps, 1 - lr wd."""
+    beta1_hi, beta1_lo = _halves(float(beta1))
+    beta2_hi, beta2_lo = _halves(float(beta2))
+    return (float(lr), beta1_hi, beta1_lo, 1.0 - beta1, beta2_hi, beta2_lo, 1.0 - beta2, float(eps),
+            1.0 - lr * weight_decay)
+
+
+def cpp_constants() -> tuple:
+    """What the C++ eager path (``eager_path.sparse_adamw_step``) repeats of this module's launches."""
+    return CHUNK, SORT_BLOCK, SORT_SUB, FAN, MERGE_TILE, TRITON_SORT_MAX
+
+
+def _cpp_key(launch_index: int, key_tensors: Optional[tuple], maximize: bool) -> Optional[tuple]:
+    """A launch's key for the C++ eager path (eager_path.cpp's sparse_adamw_step builds the same), or None."""
+    if key_tensors is None:
+        return None
+    ints = (eager_path.SPARSE_ADAMW_KIND, key_tensors[0].get_device(), launch_index, int(maximize), *cpp_constants())
+    return ints, key_tensors
+
+
 def _halves(x: float):
     """``x`` as hi + lo, both representable in fp32 (Triton passes float scalars as fp32)."""
     hi = struct.unpack("f", struct.pack("f", x))[0]
@@ -216,6 +308,33 @@ def _blocks(dim: int):
     return block_d, max(1, CHUNK * block_d // 1024), block_d2, TILE // block_d2
 
 
+def sort_ids(indices: torch.Tensor, n_rows: int, layout: Optional[tuple], cpp: Optional[tuple] = None):
+    """``indices`` (1-D, < 2**31 - 2 * CHUNK of them) clamped to [-1, n_rows] (n_rows < 2**31 - 2) and
+    stably sorted: (sorted ids, int32; the lookup position of each, int32). ``layout``: as ``_launch``'s;
+    ``cpp``: (the update's key tensors, maximize) where its launches are handed to the C++ eager path."""
+    nnz = indices.shape[0]
+    block = min(SORT_BLOCK, max(SORT_SUB, triton.next_power_of_2(nnz)))  # a small step sorts a small block
+    n_padded = triton.cdiv(nnz, block) * block
+    device = indices.device
+    ids = torch.empty(nnz, dtype=torch.int32, device=device)
+    order = torch.empty(nnz, dtype=torch.int32, device=device)
+    keys = [torch.empty(n_padded if n_padded > block else 0, dtype=torch.int64, device=device)
+            for _ in range(2 if n_padded > block * FAN else 1)]
+    final = n_padded == block
+    key_tensors, maximize = cpp if cpp is not None else (None, False)
+    _launch(rank_blocks_kernel, (n_padded // block,), layout, (indices, keys[0], ids, order), (nnz, n_rows), (),
+            dict(BLOCK=block, SUB=SORT_SUB, FINAL=final, num_warps=8), _cpp_key(0, key_tensors, maximize))
+    run, k = block, 0
+    while not final:
+        final = run * FAN >= n_padded
+        src, dst = keys[k % len(keys)], keys[(k + 1) % len(keys)]  # one buffer where this pass is the last
+        _launch(merge_kernel, (n_padded // MERGE_TILE,), layout and (*layout, run), (src, dst, ids, order),
+                (nnz, n_padded, run), (), dict(FAN=FAN, TILE=MERGE_TILE, FINAL=final, num_warps=4),
+                _cpp_key(k + 1, key_tensors, maximize))
+        run, k = run * FAN, k + 1
+    return ids, order
+
+
 def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps,
                         weight_decay, step, maximize) -> None:
     nnz, dim = values.shape
@@ -225,18 +344,21 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
         raise ValueError("the fused update needs parameter and state rows with unit column stride")
     if dim > 1 and values.stride(1) != 1:
         values = values.contiguous()
-    # 4-byte keys halve the radix sort's passes (clamped first: an id past 2**31 must not wrap into range);
-    # stable keeps each row's lookups in lookup order.
-    keys = indices.clamp(-1, param.shape[0]).to(torch.int32) if param.shape[0] < 2**31 else indices
-    ids, order = torch.sort(keys, stable=True)
+    sort_layout = cpp = None
+    if PLANNED_LAUNCHES and not is_tracing():
+        sort_layout = (param.get_device(), nnz, param.shape[0], indices.dtype, indices.data_ptr() % 16)
+        if param.is_cuda and indices.is_contiguous() and eager_path.may_plan():  # the layouts the C++ path serves
+            cpp = (param, exp_avg, exp_avg_sq, indices, values, step), maximize
+    if param.shape[0] < 2**31 - 2 and nnz <= TRITON_SORT_MAX:
+        ids, order = sort_ids(indices.contiguous(), param.shape[0], sort_layout, cpp)
+    else:  # torch's, stable: each row's lookups in lookup order (4-byte keys halve its radix passes)
+        keys = indices.clamp(-1, param.shape[0]).to(torch.int32) if param.shape[0] < 2**31 else indices
+        ids, order = torch.sort(keys, stable=True)
     guard = check_row_ids(indices, ids, param)
     n_chunks = triton.cdiv(nnz, CHUNK)
     partial = torch.empty((2, n_chunks, dim), dtype=torch.float32, device=param.device)
     block_d, warps, block_d2, heads = _blocks(dim)
-    beta1_hi, beta1_lo = _halves(float(beta1))
-    beta2_hi, beta2_lo = _halves(float(beta2))
-    hyper = (float(lr), beta1_hi, beta1_lo, 1.0 - beta1, beta2_hi, beta2_lo, 1.0 - beta2, float(eps),
-             1.0 - lr * weight_decay)
+    hyper = kernel_floats(lr, beta1, beta2, eps, weight_decay)
     strides = (param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0))
     tensors = (ids, order, values, partial, param, exp_avg, exp_avg_sq, step, guard)
     layout = None  # traced (fake tensors have no data pointer) or plans off: Triton's own launches
@@ -245,13 +367,16 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
         # argument follow from nnz, dim, the strides and the blocks; dtypes and 16-byte alignments of tensors.
         layout = (param.get_device(), nnz, dim, param.shape[0], values.stride(0), strides, maximize, block_d, warps,
                   block_d2, heads, *((t.dtype, t.data_ptr() % 16) for t in tensors if t is not None))
+    key_tensors = cpp[0] if cpp is not None else None
     _launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)), layout, tensors,
             (nnz, n_chunks, dim, param.shape[0], values.stride(0), *strides), hyper,
-            dict(MAXIMIZE=maximize, CHUNK=CHUNK, LOG2_CHUNK=LOG2_CHUNK, BLOCK_D=block_d, num_warps=warps))
+            dict(MAXIMIZE=maximize, CHUNK=CHUNK, LOG2_CHUNK=LOG2_CHUNK, BLOCK_D=block_d, num_warps=warps),
+            _cpp_key(eager_path.SPARSE_ADAMW_LAUNCHES[1], key_tensors, maximize))
     if n_chunks > 1:
         _launch(crossing_kernel, (n_chunks - 1, triton.cdiv(dim, block_d2)), layout,
                 (ids, partial, param, exp_avg, exp_avg_sq, step), (n_chunks, dim, param.shape[0], *strides), hyper,
-                dict(MAXIMIZE=maximize, CHUNK=CHUNK, HEADS=heads, BLOCK_D=block_d2, num_warps=4))
+                dict(MAXIMIZE=maximize, CHUNK=CHUNK, HEADS=heads, BLOCK_D=block_d2, num_warps=4),
+                _cpp_key(eager_path.SPARSE_ADAMW_LAUNCHES[2], key_tensors, maximize))
 
 
 def check_row_ids(indices: torch.Tensor, sorted_ids: Optional[torch.Tensor],
@@ -270,16 +395,18 @@ def check_row_ids(indices: torch.Tensor, sorted_ids: Optional[torch.Tensor],
     return param.index_select(0, sorted_ids[:: max(sorted_ids.numel() - 1, 1)])
 
 
-def _launch(kernel, grid, layout: Optional[tuple], tensors: tuple, ints: tuple, floats: tuple, meta: dict) -> None:
+def _launch(kernel, grid, layout: Optional[tuple], tensors: tuple, ints: tuple, floats: tuple, meta: dict,
+            cpp_key: Optional[tuple] = None) -> None:
     """``kernel[grid](*tensors, *ints, *floats, **meta)`` (its arguments in that order); with a ``layout``
     (an eager call) through a launch plan: the layout fixes the rest, the floats are passed again (a
-    scheduler's new lr each step makes no new plan)."""
+    scheduler's new lr each step makes no new plan); with a ``cpp_key`` (``_cpp_key``) the plan is the C++
+    eager path's too."""
     plan_key = None
     if layout is not None:
         plan_key = (kernel.fn.__name__, layout)
-        if launch_planned(plan_key, *(t for t in tensors if t is not None), *floats):
+        if launch_planned(plan_key, *(t for t in tensors if t is not None), *floats, cpp_key=cpp_key):
             return
-    launch(kernel, grid, *tensors, *ints, *floats, plan_key=plan_key, plan_floats=True, **meta)
+    launch(kernel, grid, *tensors, *ints, *floats, plan_key=plan_key, plan_floats=True, cpp_key=cpp_key, **meta)
 
 
 def sparse_adamw_torch(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, beta2, eps,
@@ -335,3 +462,16 @@ def sparse_adamw_update_(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq:
     """
     call_untraced(torch.ops.fuselab.sparse_adamw_update_, _update, param, exp_avg, exp_avg_sq, indices, values, step,
                   lr, beta1, beta2, eps, weight_decay, maximize, mutated=(param, exp_avg, exp_avg_sq))
+
+
+def sparse_adamw_step_cpp(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, indices: torch.Tensor,
+                          values: torch.Tensor, step: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
+                          weight_decay: float, maximize: bool) -> bool:
+    """``step += 1`` then ``sparse_adamw_update_`` by the C++ eager path, whose host time per step is a
+    fraction of Python's; False, with nothing done, where the update must take ``sparse_adamw_update_``
+    (no C++ path, planned launches off, a layout it does not serve, launches not planned yet)."""
+    if not PLANNED_LAUNCHES or eager_path.extension is None:
+        return False
+    return eager_path.sparse_adamw_step(param, exp_avg, exp_avg_sq, indices, values, step,
+                                        kernel_floats(lr, beta1, beta2, eps, weight_decay), maximize)
+

@@ -8,7 +8,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from fuselab.kernels._runtime import ExecutionPath, execution_path, untraced
-from fuselab.kernels.sparse_adamw import check_row_ids, sparse_adamw_update_
+from fuselab.kernels.sparse_adamw import check_row_ids, sparse_adamw_step_cpp, sparse_adamw_update_
 
 
 def _check_hyperparameters(group: dict) -> None:
@@ -266,7 +266,10 @@ class SparseAdamW(torch.optim.Optimizer):
 
 
 def _eager_update(rows: list, indices: torch.Tensor, values: torch.Tensor, step: torch.Tensor, hyper: tuple) -> None:
-    """Count the step, then update; an update that raises (row ids out of range, say) leaves the count as it was."""
+    """Count the step, then update; an update that raises (row ids out of range, say) leaves the count as it was.
+    The C++ eager path does both where it has the launches planned (most steps after the first)."""
+    if sparse_adamw_step_cpp(*rows, indices, values, step, *hyper):
+        return
     step += 1
     try:
         sparse_adamw_update_(*rows, indices, values, step, *hyper)

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <array>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -38,6 +39,9 @@ constexpr int64_t kGemmKind = 1;
 // A plan that is a library call, not a kernel (eager_path.LIBRARY_CALLS): matmul_relu_triton's CUBLAS,
 // c = [relu](a @ b + bias) by aten's addmm/mm (cuBLAS), then an in-place ReLU.
 constexpr int kLibraryCublas = 1;
+
+// The first int of a SparseAdamW launch's key (then device, launch index, maximize, the update's constants).
+constexpr int64_t kSparseAdamWKind = 2;
 
 using Key = std::vector<int64_t>;
 
@@ -71,6 +75,7 @@ struct Plan {
   int device;
   std::vector<uint64_t> params;  // one 8-byte slot per kernel parameter, the two scratch pointers last
   std::vector<int> tensor_params;  // the slot of each tensor argument, in argument order
+  std::vector<int> float_params;   // the slot of each fp32 argument passed at each launch, in argument order
   int library = 0;                 // kLibraryCublas: the autotuner chose cuBLAS here, and nothing above is set
 };
 
@@ -99,7 +104,8 @@ LaunchKernelEx launch_kernel_ex() {
 
 // The launch Triton's own launcher makes for such a kernel (cuLaunchKernelEx, no attributes), on the
 // current stream of the plan's device.
-void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors) {
+void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors,
+            const std::vector<uint32_t>& floats = {}) {
   std::vector<uint64_t> values = plan.params;
   size_t i = 0;
   for (const Tensor* t : tensors) {
@@ -108,6 +114,9 @@ void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors) {
   }
   TORCH_CHECK(i == plan.tensor_params.size(), "fuselab eager path: a plan got ", i, " tensors, expected ",
               plan.tensor_params.size());
+  TORCH_CHECK(floats.size() == plan.float_params.size(), "fuselab eager path: a plan got ", floats.size(),
+              " floats, expected ", plan.float_params.size());
+  for (size_t k = 0; k < floats.size(); ++k) values[plan.float_params[k]] = floats[k];
   c10::cuda::CUDAGuard guard(plan.device);
   Tensor scratch;
   if (plan.scratch_bytes > 0) {
@@ -305,22 +314,139 @@ py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, 
 }
 
 // ---------------------------------------------------------------------------------------------
+// SparseAdamW's eager step: count it, sort the ids, update (kernels/sparse_adamw.py's order)
+// ---------------------------------------------------------------------------------------------
+
+// kernels/sparse_adamw.py's constants, set when the extension loads; part of every key, so that plans
+// made under other constants are never mixed with these.
+struct SparseConstants {
+  int64_t chunk = 0, sort_block = 0, sort_sub = 0, fan = 0, merge_tile = 0, triton_sort_max = 0;
+};
+SparseConstants sparse_constants;
+
+// Launch indices in a step's keys: the sort's first launch, its merge passes after it, then the update's two.
+constexpr int64_t kSortLaunch = 0, kSegmentLaunch = 100, kCrossingLaunch = 101;
+
+std::shared_ptr<const Plan> sparse_plan(Key key, int64_t launch_index) {
+  key[2] = launch_index;
+  return find_plan(key);
+}
+
+// The step sparse_adamw.sparse_adamw_triton runs, by planned launches; false (nothing done, the step not
+// counted) for what that path must serve: inputs it reshapes or declines, or a launch not planned yet.
+bool sparse_adamw_step(py::handle p_obj, py::handle m_obj, py::handle v_obj, py::handle indices_obj,
+                       py::handle values_obj, py::handle step_obj, const std::vector<double>& hyper, bool maximize) {
+  const Tensor* ptrs[] = {plain_tensor(p_obj), plain_tensor(m_obj), plain_tensor(v_obj), plain_tensor(indices_obj),
+                          plain_tensor(values_obj), plain_tensor(step_obj)};
+  for (const Tensor* t : ptrs) {
+    if (t == nullptr || !t->is_cuda() || t->layout() != at::kStrided || transformed(*t)) return false;
+  }
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled() ||
+      MatmulReLU::functorch_active() || sparse_constants.chunk == 0) {
+    return false;
+  }
+  const Tensor &param = *ptrs[0], &exp_avg = *ptrs[1], &exp_avg_sq = *ptrs[2], &indices = *ptrs[3],
+               &values = *ptrs[4], &step = *ptrs[5];
+  auto dtype = param.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  for (const Tensor* t : ptrs) {
+    if (t->device() != param.device()) return false;
+  }
+  if (param.dim() != 2 || exp_avg.sizes() != param.sizes() || exp_avg_sq.sizes() != param.sizes() ||
+      indices.dim() != 1 || !indices.is_contiguous() || values.dim() != 2 || step.dim() != 0) {
+    return false;
+  }
+  const int64_t nnz = values.size(0), dim = values.size(1), n_rows = param.size(0);
+  const SparseConstants& c = sparse_constants;
+  if (nnz == 0 || dim == 0 || dim != param.size(1) || indices.size(0) != nnz || nnz > (int64_t(1) << 31) - 2 * c.chunk ||
+      n_rows >= (int64_t(1) << 31) - 2 || hyper.size() != 9) {
+    return false;
+  }
+  for (const Tensor* t : {&param, &exp_avg, &exp_avg_sq, &values}) {
+    if (dim > 1 && t->stride(1) != 1) return false;
+  }
+  Key key{kSparseAdamWKind, param.get_device(), 0, maximize, c.chunk, c.sort_block, c.sort_sub, c.fan,
+          c.merge_tile, c.triton_sort_max};
+  for (const Tensor* t : ptrs) append_layout(key, t);
+  // The sort: one rank_blocks_kernel launch, then a merge pass per FAN-fold of the run (sort_ids).
+  int64_t block = c.sort_sub;
+  while (block < nnz && block < c.sort_block) block *= 2;
+  const int64_t n_padded = (nnz + block - 1) / block * block;
+  const bool triton_sort = nnz <= c.triton_sort_max;  // else torch.sort, as sparse_adamw_triton
+  std::vector<std::shared_ptr<const Plan>> sort_plans;
+  if (triton_sort) {
+    sort_plans.push_back(sparse_plan(key, kSortLaunch));
+    for (int64_t run = block; run < n_padded; run *= c.fan) {
+      sort_plans.push_back(sparse_plan(key, kSortLaunch + static_cast<int64_t>(sort_plans.size())));
+    }
+  }
+  const int64_t n_chunks = (nnz + c.chunk - 1) / c.chunk;
+  auto segment = sparse_plan(key, kSegmentLaunch);
+  auto crossing = n_chunks > 1 ? sparse_plan(key, kCrossingLaunch) : nullptr;
+  for (const auto& plan : sort_plans) {
+    if (!plan) return false;
+  }
+  if (!segment || (n_chunks > 1 && !crossing)) return false;
+
+  std::vector<uint32_t> floats(hyper.size());
+  for (size_t k = 0; k < hyper.size(); ++k) {
+    float f = static_cast<float>(hyper[k]);  // as Triton's launcher passes a Python float to an fp32 argument
+    std::memcpy(&floats[k], &f, sizeof(f));
+  }
+  c10::cuda::CUDAGuard guard_device(param.get_device());
+  Tensor step_count = step;  // a handle: the count lives in the optimizer's state
+  step_count.add_(1);
+  try {
+    Tensor ids, order;
+    if (triton_sort) {
+      auto i32 = indices.options().dtype(at::kInt);
+      ids = at::empty({nnz}, i32);
+      order = at::empty({nnz}, i32);
+      auto i64 = indices.options().dtype(at::kLong);
+      int n_keys = n_padded > block * c.fan ? 2 : 1;
+      std::array<Tensor, 2> keys;
+      for (int k = 0; k < n_keys; ++k) keys[k] = at::empty({n_padded > block ? n_padded : 0}, i64);
+      launch(*sort_plans[0], {&indices, &keys[0], &ids, &order});
+      for (size_t pass = 1; pass < sort_plans.size(); ++pass) {
+        const Tensor &src = keys[(pass - 1) % n_keys], &dst = keys[pass % n_keys];
+        launch(*sort_plans[pass], {&src, &dst, &ids, &order});
+      }
+    } else {
+      std::tie(ids, order) = at::sort(indices.clamp(-1, n_rows).to(at::kInt), /*stable=*/true, 0, false);
+    }
+    // check_row_ids: nn.Embedding's device-side assert for an id out of range, on the sorted ends
+    Tensor row_guard = param.index_select(0, ids.slice(0, 0, nnz, std::max<int64_t>(nnz - 1, 1)));
+    Tensor partial = at::empty({2, n_chunks, dim}, values.options().dtype(at::kFloat));
+    launch(*segment, {&ids, &order, &values, &partial, &param, &exp_avg, &exp_avg_sq, &step, &row_guard}, floats);
+    if (crossing) launch(*crossing, {&ids, &partial, &param, &exp_avg, &exp_avg_sq, &step}, floats);
+  } catch (...) {
+    step_count.sub_(1);  // as the Python path: an update that raises leaves the count as it was
+    throw;
+  }
+  for (const Tensor* t : {&param, &exp_avg, &exp_avg_sq}) {  // as the op's in-place writes would
+    if (!t->is_inference()) torch::autograd::impl::bump_version(*t);
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
 // What Python calls
 // ---------------------------------------------------------------------------------------------
 
 void register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors, int device,
                    uint64_t function, std::vector<int64_t> grid, int num_warps, int shared,
                    int64_t scratch_bytes, std::vector<uint64_t> params,
-                   std::vector<int> tensor_params) {
+                   std::vector<int> tensor_params, std::vector<int> float_params) {
   TORCH_CHECK(grid.size() == 3 && params.size() >= 2, "fuselab eager path: a plan needs a 3-D grid and its scratch slots");
   for (int slot : tensor_params) TORCH_CHECK(slot >= 0 && slot < static_cast<int>(params.size()) - 2, "bad tensor slot");
+  for (int slot : float_params) TORCH_CHECK(slot >= 0 && slot < static_cast<int>(params.size()) - 2, "bad float slot");
   Key key = std::move(key_ints);
   for (auto& t : key_tensors) append_layout(key, t ? &*t : nullptr);
   auto plan = std::make_shared<Plan>(Plan{reinterpret_cast<CUfunction>(function),
                                           {static_cast<unsigned>(grid[0]), static_cast<unsigned>(grid[1]),
                                            static_cast<unsigned>(grid[2])},
                                           num_warps, shared, scratch_bytes, device,
-                                          std::move(params), std::move(tensor_params)});
+                                          std::move(params), std::move(tensor_params), std::move(float_params)});
   std::unique_lock<std::shared_mutex> lock(plans_mutex);
   if (plans.size() >= kMaxPlans) plans.clear();
   plans[std::move(key)] = std::move(plan);
@@ -354,10 +480,19 @@ void clear_plans() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   parameter_type = reinterpret_cast<PyTypeObject*>(py::module::import("torch.nn").attr("Parameter").ptr());
   m.attr("GEMM_KIND") = kGemmKind;
+  m.attr("SPARSE_ADAMW_KIND") = kSparseAdamWKind;
+  m.attr("SPARSE_ADAMW_LAUNCHES") = py::make_tuple(kSortLaunch, kSegmentLaunch, kCrossingLaunch);
+  m.def("sparse_adamw_step", &sparse_adamw_step);
+  m.def("set_sparse_constants", [](int64_t chunk, int64_t sort_block, int64_t sort_sub, int64_t fan,
+                                   int64_t merge_tile, int64_t triton_sort_max) {
+    sparse_constants = SparseConstants{chunk, sort_block, sort_sub, fan, merge_tile, triton_sort_max};
+  });
   m.def("matmul_relu", &matmul_relu, py::arg("a"), py::arg("weight"), py::arg("bias"), py::arg("linear"),
         py::arg("autocast"), py::arg("cuda_only") = true);
   m.attr("LIBRARY_CALLS") = py::dict(py::arg("cublas") = kLibraryCublas);
-  m.def("register_plan", &register_plan);
+  m.def("register_plan", &register_plan, py::arg("key_ints"), py::arg("key_tensors"), py::arg("device"),
+        py::arg("function"), py::arg("grid"), py::arg("num_warps"), py::arg("shared"), py::arg("scratch_bytes"),
+        py::arg("params"), py::arg("tensor_params"), py::arg("float_params") = std::vector<int>{});
   m.def("register_library_plan", &register_library_plan);
   m.def("has_plan", &has_plan);
   m.def("gemm", [](const Tensor& a, const Tensor& b, const Tensor& c, std::optional<Tensor> bias, bool relu) {

@@ -10,8 +10,8 @@ lookup, so a row looked up L times appears L times, anywhere in the list. One st
    ``merge_kernel`` makes FAN sorted runs one (a key's place is the sum over the runs of the number
    of smaller keys in each, found by binary search); the last launch writes the sorted ids and the
    permutation (int32): three launches for 65,536 lookups. torch.sort (cub's radix sort) makes a
-   dozen launches and waits for the GPU to catch up, which ties an eager step's host time to its GPU
-   time; it sorts steps of more than TRITON_SORT_MAX lookups, where it takes less GPU time.
+   dozen launches, ~100 us of host time, more than the rest of an eager step; it sorts steps of more
+   than TRITON_SORT_MAX lookups, where it takes less GPU time.
 2. ``segment_kernel``: the sorted positions are cut into chunks of CHUNK. One program per chunk and
    block of columns gathers its chunk's gradient rows through the sort's permutation and sums each
    segment's piece of the chunk with a segmented scan (log2(CHUNK) shift-and-add steps; the scan is

@@ -469,7 +469,8 @@ def sparse_adamw_step_cpp(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq
                           weight_decay: float, maximize: bool) -> bool:
     """``step += 1`` then ``sparse_adamw_update_`` by the C++ eager path, whose host time per step is a
     fraction of Python's; False, with nothing done, where the update must take ``sparse_adamw_update_``
-    (no C++ path, planned launches off, a layout it does not serve, launches not planned yet)."""
+    (no C++ path, planned launches off, a layout it does not serve, more than TRITON_SORT_MAX lookups,
+    launches not planned yet)."""
     if not PLANNED_LAUNCHES or eager_path.extension is None:
         return False
     return eager_path.sparse_adamw_step(param, exp_avg, exp_avg_sq, indices, values, step,

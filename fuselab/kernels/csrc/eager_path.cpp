@@ -372,13 +372,12 @@ bool sparse_adamw_step(py::handle p_obj, py::handle m_obj, py::handle v_obj, py:
   int64_t block = c.sort_sub;
   while (block < nnz && block < c.sort_block) block *= 2;
   const int64_t n_padded = (nnz + block - 1) / block * block;
-  const bool triton_sort = nnz <= c.triton_sort_max;  // else torch.sort, as sparse_adamw_triton
-  std::vector<std::shared_ptr<const Plan>> sort_plans;
-  if (triton_sort) {
-    sort_plans.push_back(sparse_plan(key, kSortLaunch));
-    for (int64_t run = block; run < n_padded; run *= c.fan) {
-      sort_plans.push_back(sparse_plan(key, kSortLaunch + static_cast<int64_t>(sort_plans.size())));
-    }
+  // Past triton_sort_max lookups sparse_adamw_triton sorts by torch.sort: its host time is small beside such
+  // a step's GPU time, and that path serves it.
+  if (nnz > c.triton_sort_max) return false;
+  std::vector<std::shared_ptr<const Plan>> sort_plans{sparse_plan(key, kSortLaunch)};
+  for (int64_t run = block; run < n_padded; run *= c.fan) {
+    sort_plans.push_back(sparse_plan(key, kSortLaunch + static_cast<int64_t>(sort_plans.size())));
   }
   const int64_t n_chunks = (nnz + c.chunk - 1) / c.chunk;
   auto segment = sparse_plan(key, kSegmentLaunch);
@@ -397,22 +396,16 @@ bool sparse_adamw_step(py::handle p_obj, py::handle m_obj, py::handle v_obj, py:
   Tensor step_count = step;  // a handle: the count lives in the optimizer's state
   step_count.add_(1);
   try {
-    Tensor ids, order;
-    if (triton_sort) {
-      auto i32 = indices.options().dtype(at::kInt);
-      ids = at::empty({nnz}, i32);
-      order = at::empty({nnz}, i32);
-      auto i64 = indices.options().dtype(at::kLong);
-      int n_keys = n_padded > block * c.fan ? 2 : 1;
-      std::array<Tensor, 2> keys;
-      for (int k = 0; k < n_keys; ++k) keys[k] = at::empty({n_padded > block ? n_padded : 0}, i64);
-      launch(*sort_plans[0], {&indices, &keys[0], &ids, &order});
-      for (size_t pass = 1; pass < sort_plans.size(); ++pass) {
-        const Tensor &src = keys[(pass - 1) % n_keys], &dst = keys[pass % n_keys];
-        launch(*sort_plans[pass], {&src, &dst, &ids, &order});
-      }
-    } else {
-      std::tie(ids, order) = at::sort(indices.clamp(-1, n_rows).to(at::kInt), /*stable=*/true, 0, false);
+    auto i32 = indices.options().dtype(at::kInt);
+    Tensor ids = at::empty({nnz}, i32), order = at::empty({nnz}, i32);
+    auto i64 = indices.options().dtype(at::kLong);
+    int n_keys = n_padded > block * c.fan ? 2 : 1;
+    std::array<Tensor, 2> keys;
+    for (int k = 0; k < n_keys; ++k) keys[k] = at::empty({n_padded > block ? n_padded : 0}, i64);
+    launch(*sort_plans[0], {&indices, &keys[0], &ids, &order});
+    for (size_t pass = 1; pass < sort_plans.size(); ++pass) {
+      const Tensor &src = keys[(pass - 1) % n_keys], &dst = keys[pass % n_keys];
+      launch(*sort_plans[pass], {&src, &dst, &ids, &order});
     }
     // check_row_ids: nn.Embedding's device-side assert for an id out of range, on the sorted ends
     Tensor row_guard = param.index_select(0, ids.slice(0, 0, nnz, std::max<int64_t>(nnz - 1, 1)));

@@ -117,6 +117,24 @@ def test_plans_are_keyed_by_every_layout_detail(ext):
 
 
 @pytest.mark.slow
+def test_a_full_store_is_emptied_and_python_hands_its_plans_over_again(ext, monkeypatch):
+    # The C++ store is bounded: the registration that empties it says so, and Python then forgets which of its
+    # plans it had handed over (else those layouts would never reach the C++ path again).
+    ext.clear_plans()
+    a = torch.zeros(4, 4, dtype=torch.bfloat16)
+    register = lambda i: ext.register_plan([eager_path.GEMM_KIND, -1, i], [a], 0, 0, [1, 1, 1], 4, 0, 0, [0, 0, 0], [0])
+    assert not any(register(i) for i in range(4096)) and ext.plan_count() == 4096
+    assert register(4096) and ext.plan_count() == 1
+    ext.clear_plans()
+    runtime = importlib.import_module("fuselab.kernels._runtime")
+    handed, fresh = types.SimpleNamespace(in_cpp=True), types.SimpleNamespace(in_cpp=False)
+    monkeypatch.setattr(runtime, "_PLANS", {"old": handed, "new": fresh})
+    monkeypatch.setattr(eager_path, "register_plan", lambda *args: True)
+    runtime._hand_to_cpp(fresh, ((), ()))
+    assert fresh.in_cpp and not handed.in_cpp
+
+
+@pytest.mark.slow
 def test_a_library_plan_runs_cublas_through_aten(ext, monkeypatch):
     # A GEMM the tuner gave to cuBLAS is registered as that call; C++ runs addmm/mm and the ReLU on the
     # same key (a column-major C first turned around, as _gemm does). On CPU tensors here: aten's CPU ops.

@@ -274,11 +274,14 @@ def _remember_plan(plan_key: Hashable, kernel, compiled, grid, args, kwargs, dev
 
 
 def _hand_to_cpp(plan: Union["_LaunchPlan", "_LibraryPlan"], cpp_key: tuple) -> None:
-    """Register ``plan`` with the C++ eager path (once: it may decline, it is not asked again)."""
+    """Register ``plan`` with the C++ eager path (once: it may decline, it is not asked again); where that
+    emptied the C++ store (it is bounded), every other plan is handed over again at its next launch."""
     from fuselab.kernels import eager_path
 
+    if eager_path.register_plan(*cpp_key, plan):
+        for other in _PLANS.values():
+            other.in_cpp = False
     plan.in_cpp = True
-    eager_path.register_plan(*cpp_key, plan)
 
 
 def _launcher_mismatch(compiled) -> Optional[str]:

@@ -98,26 +98,27 @@ def disabled():
         extension, _load_state = saved
 
 
-def register_plan(key_ints: Sequence[int], key_tensors: Sequence[Optional[torch.Tensor]], plan) -> None:
+def register_plan(key_ints: Sequence[int], key_tensors: Sequence[Optional[torch.Tensor]], plan) -> bool:
     """Register a launch Python just made (``_runtime._LaunchPlan``) for the C++ path, under
-    ``key_ints`` plus the layouts of ``key_tensors`` (the kernel's tensor arguments, Nones included)."""
+    ``key_ints`` plus the layouts of ``key_tensors`` (the kernel's tensor arguments, Nones included).
+    True where the C++ store, full, dropped every earlier plan to take this one."""
     ext = _load()
     if ext is None:
-        return
+        return False
     choice = getattr(plan, "choice", None)  # a library call's plan (``_runtime._LibraryPlan``)
     if choice is not None:
         if choice.name in LIBRARY_CALLS:  # else C++ leaves the call to Python, which repeats it
-            ext.register_library_plan(list(key_ints), list(key_tensors), LIBRARY_CALLS[choice.name])
-        return
+            return ext.register_library_plan(list(key_ints), list(key_tensors), LIBRARY_CALLS[choice.name])
+        return False
     params = _kernel_params(plan)
     if params is None:
-        return
+        return False
     values, tensor_slots, float_slots = params
     compiled = plan.compiled
     num_warps, _, shared = compiled.packed_metadata  # one CTA per program: _kernel_params checked
     scratch = compiled.metadata.global_scratch_size * plan.grid[0] * plan.grid[1] * plan.grid[2]
-    ext.register_plan(list(key_ints), list(key_tensors), plan.device, compiled.function, list(plan.grid),
-                      num_warps, shared, scratch, values, tensor_slots, float_slots)
+    return ext.register_plan(list(key_ints), list(key_tensors), plan.device, compiled.function, list(plan.grid),
+                             num_warps, shared, scratch, values, tensor_slots, float_slots)
 
 
 def _kernel_params(plan):

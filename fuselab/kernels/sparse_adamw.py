@@ -9,7 +9,7 @@ lookup, so a row looked up L times appears L times, anywhere in the list. One st
    SORT_BLOCK keys (a key's place is the number of smaller keys in its block); each pass of
    ``merge_kernel`` makes FAN sorted runs one (a key's place is the sum over the runs of the number
    of smaller keys in each, found by binary search); the last launch writes the sorted ids and the
-   permutation (int32): three launches for 65,536 lookups. torch.sort (cub's radix sort) makes a
+   permutation (int32): four launches for 65,536 lookups. torch.sort (cub's radix sort) makes a
    dozen launches, ~100 us of host time, more than the rest of an eager step; it sorts steps of more
    than TRITON_SORT_MAX lookups, where it takes less GPU time.
 2. ``segment_kernel``: the sorted positions are cut into chunks of CHUNK. One program per chunk and
@@ -344,13 +344,22 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
         raise ValueError("the fused update needs parameter and state rows with unit column stride")
     if dim > 1 and values.stride(1) != 1:
         values = values.contiguous()
-    sort_layout = cpp = None
+    triton_sort = param.shape[0] < 2**31 - 2 and nnz <= TRITON_SORT_MAX
+    if triton_sort:
+        indices = indices.contiguous()
+    tensors = (param, exp_avg, exp_avg_sq, indices, values, step)
+    sort_layout = layout = cpp = None
     if PLANNED_LAUNCHES and not is_tracing():
-        sort_layout = (param.get_device(), nnz, param.shape[0], indices.dtype, indices.data_ptr() % 16)
-        if param.is_cuda and indices.is_contiguous() and eager_path.may_plan():  # the layouts the C++ path serves
-            cpp = (param, exp_avg, exp_avg_sq, indices, values, step), maximize
-    if param.shape[0] < 2**31 - 2 and nnz <= TRITON_SORT_MAX:
-        ids, order = sort_ids(indices.contiguous(), param.shape[0], sort_layout, cpp)
+        # What the kernels specialize on but the data (see launch_planned): the grids and every integer argument
+        # follow from these sizes, strides and the blocks; dtypes, devices and 16-byte alignments of the inputs.
+        # Every plan of a step takes the whole layout: a plan is handed to the C++ path under one key.
+        layout = (nnz, dim, param.shape[0], values.stride(0), param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0),
+                  maximize, *((t.dtype, t.get_device(), t.data_ptr() % 16) for t in tensors))
+        sort_layout = ("sort", *layout)
+        if param.is_cuda and triton_sort and eager_path.may_plan():  # the steps the C++ path serves
+            cpp = tensors, maximize
+    if triton_sort:
+        ids, order = sort_ids(indices, param.shape[0], sort_layout, cpp)
     else:  # torch's, stable: each row's lookups in lookup order (4-byte keys halve its radix passes)
         keys = indices.clamp(-1, param.shape[0]).to(torch.int32) if param.shape[0] < 2**31 else indices
         ids, order = torch.sort(keys, stable=True)
@@ -360,13 +369,9 @@ def sparse_adamw_triton(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, 
     block_d, warps, block_d2, heads = _blocks(dim)
     hyper = kernel_floats(lr, beta1, beta2, eps, weight_decay)
     strides = (param.stride(0), exp_avg.stride(0), exp_avg_sq.stride(0))
+    if layout is not None:  # the sort's outputs and the buffers: their dtypes and alignments too
+        layout = (*layout, *((t.dtype, t.data_ptr() % 16) for t in (ids, order, partial, guard) if t is not None))
     tensors = (ids, order, values, partial, param, exp_avg, exp_avg_sq, step, guard)
-    layout = None  # traced (fake tensors have no data pointer) or plans off: Triton's own launches
-    if PLANNED_LAUNCHES and not is_tracing():
-        # What both kernels specialize on but the data (see launch_planned): the grids and every integer
-        # argument follow from nnz, dim, the strides and the blocks; dtypes and 16-byte alignments of tensors.
-        layout = (param.get_device(), nnz, dim, param.shape[0], values.stride(0), strides, maximize, block_d, warps,
-                  block_d2, heads, *((t.dtype, t.data_ptr() % 16) for t in tensors if t is not None))
     key_tensors = cpp[0] if cpp is not None else None
     _launch(segment_kernel, (n_chunks, triton.cdiv(dim, block_d)), layout, tensors,
             (nnz, n_chunks, dim, param.shape[0], values.stride(0), *strides), hyper,

@@ -426,7 +426,8 @@ bool sparse_adamw_step(py::handle p_obj, py::handle m_obj, py::handle v_obj, py:
 // What Python calls
 // ---------------------------------------------------------------------------------------------
 
-void register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors, int device,
+// Both return whether the store, full, was emptied to take this plan (Python then hands its plans over again).
+bool register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors, int device,
                    uint64_t function, std::vector<int64_t> grid, int num_warps, int shared,
                    int64_t scratch_bytes, std::vector<uint64_t> params,
                    std::vector<int> tensor_params, std::vector<int> float_params) {
@@ -441,11 +442,13 @@ void register_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tens
                                           num_warps, shared, scratch_bytes, device,
                                           std::move(params), std::move(tensor_params), std::move(float_params)});
   std::unique_lock<std::shared_mutex> lock(plans_mutex);
-  if (plans.size() >= kMaxPlans) plans.clear();
+  bool cleared = plans.size() >= kMaxPlans;
+  if (cleared) plans.clear();
   plans[std::move(key)] = std::move(plan);
+  return cleared;
 }
 
-void register_library_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors,
+bool register_library_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors,
                            int library) {
   TORCH_CHECK(library == kLibraryCublas, "fuselab eager path: unknown library call ", library);
   Key key = std::move(key_ints);
@@ -453,8 +456,10 @@ void register_library_plan(std::vector<int64_t> key_ints, std::vector<std::optio
   auto plan = std::make_shared<Plan>();
   plan->library = library;
   std::unique_lock<std::shared_mutex> lock(plans_mutex);
-  if (plans.size() >= kMaxPlans) plans.clear();
+  bool cleared = plans.size() >= kMaxPlans;
+  if (cleared) plans.clear();
   plans[std::move(key)] = std::move(plan);
+  return cleared;
 }
 
 bool has_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors) {

@@ -204,6 +204,35 @@ def test_sort_ids_matches_torch_stable_sort(device, nnz):
     assert torch.equal(sorted_ids.long(), expected_ids) and torch.equal(order.long(), expected_order)
 
 
+@pytest.mark.parametrize("bad,words", [
+    (dict(indices=torch.tensor([0, 1, 2, 3, 3, 3])), "values must be"),  # more ids than value rows
+    (dict(values=torch.ones(5, 2)), "values must be"),  # fewer
+    (dict(indices=torch.tensor([-0.5, 2.7])), "int32 or int64"),
+    (dict(indices=torch.tensor([[0, 1]])), "1-D"),
+    (dict(values=torch.ones(2, 3)), "values must be"),  # a row of another width
+    (dict(exp_avg=torch.zeros(4, 3)), "one shape"),
+])
+def test_update_op_refuses_inputs_that_do_not_fit(bad, words):
+    # Eagerly and while traced (the fake), before anything changes: a mismatch would drop lookups or read past them.
+    args = dict(param=torch.ones(4, 2), exp_avg=torch.zeros(4, 2), exp_avg_sq=torch.zeros(4, 2),
+                indices=torch.tensor([0, 3]), values=torch.ones(2, 2), step=torch.tensor(1.0))
+    args.update(bad)
+    before = args["param"].clone()
+    with pytest.raises(ValueError, match=words):
+        kernel_module.sparse_adamw_update_(*args.values(), 0.1, 0.9, 0.999, 1e-8, 0.0, False)
+    assert torch.equal(args["param"], before)
+    with pytest.raises(ValueError, match=words):
+        kernel_module._update_fake(*args.values(), 0.1, 0.9, 0.999, 1e-8, 0.0, False)
+
+
+def test_sort_ids_refuses_what_its_keys_cannot_hold(monkeypatch):
+    with pytest.raises(ValueError, match="2\\*\\*31 - 2 rows"):
+        kernel_module.sort_ids(torch.tensor([5, -3, 0]), 2**31 - 2, None)
+    monkeypatch.setattr(kernel_module, "MERGE_TILE", 2 * kernel_module.SORT_BLOCK)
+    with pytest.raises(ValueError, match="MERGE_TILE"):
+        kernel_module.sort_ids(torch.tensor([5, -3, 0]), 10, None)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_is_the_same_past_the_triton_sort(device, monkeypatch):
     # Past TRITON_SORT_MAX lookups torch.sort serves the step: the same update, bit for bit.

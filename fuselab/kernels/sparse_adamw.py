@@ -312,6 +312,11 @@ def sort_ids(indices: torch.Tensor, n_rows: int, layout: Optional[tuple], cpp: O
     """``indices`` (1-D, < 2**31 - 2 * CHUNK of them) clamped to [-1, n_rows] (n_rows < 2**31 - 2) and
     stably sorted: (sorted ids, int32; the lookup position of each, int32). ``layout``: as ``_launch``'s;
     ``cpp``: (the update's key tensors, maximize) where its launches are handed to the C++ eager path."""
+    if n_rows >= 2**31 - 2:  # the padding's keys, (n_rows + 2) * 2**32 + position, must fit in int64
+        raise ValueError(f"sort_ids sorts ids of fewer than 2**31 - 2 rows, got {n_rows} (torch.sort serves those)")
+    if not (SORT_SUB <= SORT_BLOCK and MERGE_TILE <= SORT_BLOCK and FAN >= 2):  # powers of two: Triton checks
+        raise ValueError(f"sort settings need SORT_SUB, MERGE_TILE <= SORT_BLOCK and FAN >= 2, got SORT_BLOCK "
+                         f"{SORT_BLOCK}, SORT_SUB {SORT_SUB}, MERGE_TILE {MERGE_TILE}, FAN {FAN}")
     nnz = indices.shape[0]
     block = min(SORT_BLOCK, max(SORT_SUB, triton.next_power_of_2(nnz)))  # a small step sorts a small block
     n_padded = triton.cdiv(nnz, block) * block
@@ -435,14 +440,29 @@ def sparse_adamw_torch(param, exp_avg, exp_avg_sq, indices, values, lr, beta1, b
     exp_avg_sq.index_copy_(0, rows, v.to(exp_avg_sq.dtype))
 
 
+def _check_update(param, exp_avg, exp_avg_sq, indices, values) -> None:
+    """The op's contract (``sparse_adamw_update_``), checked eagerly and while traced: ValueError naming what
+    does not fit. A length mismatch would drop lookups or read past the ids."""
+    if param.dim() != 2 or exp_avg.shape != param.shape or exp_avg_sq.shape != param.shape:
+        raise ValueError(f"sparse AdamW update: param, exp_avg and exp_avg_sq must be 2-D of one shape, got "
+                         f"{tuple(param.shape)}, {tuple(exp_avg.shape)}, {tuple(exp_avg_sq.shape)}")
+    if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sparse AdamW update: indices must be a 1-D int32 or int64 tensor of row ids, got "
+                         f"shape {tuple(indices.shape)} of {indices.dtype}")
+    if values.dim() != 2 or values.shape[0] != indices.shape[0] or values.shape[1] != param.shape[1]:
+        raise ValueError(f"sparse AdamW update: values must be (len(indices), param.shape[1]) = "
+                         f"({indices.shape[0]}, {param.shape[1]}), got {tuple(values.shape)}")
+
+
 def _update_fake(param, exp_avg, exp_avg_sq, indices, values, step, lr, beta1, beta2, eps, weight_decay,
                  maximize):
-    return None
+    _check_update(param, exp_avg, exp_avg_sq, indices, values)
 
 
 def _update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, indices: torch.Tensor,
             values: torch.Tensor, step: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
             weight_decay: float, maximize: bool) -> None:
+    _check_update(param, exp_avg, exp_avg_sq, indices, values)
     if values.shape[0] == 0 or values.shape[1] == 0:
         return
     # float64 parameters keep PyTorch's float64 math (ExecutionPath.TORCH_FLOAT64)

@@ -362,6 +362,9 @@ bool sparse_adamw_step(py::handle p_obj, py::handle m_obj, py::handle v_obj, py:
       n_rows >= (int64_t(1) << 31) - 2 || hyper.size() != 9) {
     return false;
   }
+  // Past triton_sort_max lookups sparse_adamw_triton sorts by torch.sort: its host time is small beside such
+  // a step's GPU time, and that path serves it.
+  if (nnz > c.triton_sort_max) return false;
   for (const Tensor* t : {&param, &exp_avg, &exp_avg_sq, &values}) {
     if (dim > 1 && t->stride(1) != 1) return false;
   }
@@ -372,9 +375,6 @@ bool sparse_adamw_step(py::handle p_obj, py::handle m_obj, py::handle v_obj, py:
   int64_t block = c.sort_sub;
   while (block < nnz && block < c.sort_block) block *= 2;
   const int64_t n_padded = (nnz + block - 1) / block * block;
-  // Past triton_sort_max lookups sparse_adamw_triton sorts by torch.sort: its host time is small beside such
-  // a step's GPU time, and that path serves it.
-  if (nnz > c.triton_sort_max) return false;
   std::vector<std::shared_ptr<const Plan>> sort_plans{sparse_plan(key, kSortLaunch)};
   for (int64_t run = block; run < n_padded; run *= c.fan) {
     sort_plans.push_back(sparse_plan(key, kSortLaunch + static_cast<int64_t>(sort_plans.size())));

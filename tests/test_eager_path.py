@@ -122,7 +122,10 @@ def test_a_full_store_is_emptied_and_python_hands_its_plans_over_again(ext, monk
     # plans it had handed over (else those layouts would never reach the C++ path again).
     ext.clear_plans()
     a = torch.zeros(4, 4, dtype=torch.bfloat16)
-    register = lambda i: ext.register_plan([eager_path.GEMM_KIND, -1, i], [a], 0, 0, [1, 1, 1], 4, 0, 0, [0, 0, 0], [0])
+
+    def register(i):
+        return ext.register_plan([eager_path.GEMM_KIND, -1, i], [a], 0, 0, [1, 1, 1], 4, 0, 0, [0, 0, 0], [0])
+
     assert not any(register(i) for i in range(4096)) and ext.plan_count() == 4096
     assert register(4096) and ext.plan_count() == 1
     ext.clear_plans()

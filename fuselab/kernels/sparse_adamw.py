@@ -43,8 +43,8 @@ lookups on one row):
   a few iterations even when one row holds every lookup;
 - between them, p, m and v of every touched row read and written once (6 U D);
 - parallelism: n / CHUNK programs (times the column blocks) in each kernel, whatever the repeats;
-- scratch: the sort's keys (16 n bytes), the sorted ids and permutation (8 n bytes) and the partial rows (2 / CHUNK of an fp32
-  gradient).
+- scratch: the sort's keys (16 n bytes), the sorted ids and permutation (8 n bytes) and the partial rows
+  (2 / CHUNK of an fp32 gradient).
 
 Math is fp32 for fp32/bf16/fp16 parameters (rows are loaded, updated and stored in their dtype), with
 IEEE-rounded division and square roots as torch's AdamW. The bias corrections 1 - beta**t are computed

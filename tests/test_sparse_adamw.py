@@ -256,6 +256,18 @@ def test_row_looked_up_thousands_of_times(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_row_over_more_chunks_than_a_tile_of_heads(device):
+    # crossing_kernel adds a crossing row's heads HEADS chunks at a time: a row over HEADS + 3 chunks (rows this
+    # wide have the fewest HEADS) takes that loop twice, the second tile ending midway.
+    dim = 2048
+    heads, chunk = kernel_module._blocks(dim)[3], kernel_module.CHUNK
+    idx = ids_with_repeats(50, 30, (heads + 3) * chunk + 5, device)
+    values = torch.randn(len(idx), dim, device=device)
+    state = random_state(50, dim, torch.float32, device)
+    check_update(state, fused_step(state, idx, values, 3, HP), idx, values, 3, HP, what=f"{heads} heads a tile")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lookups", [1, 63, 64, 65, 128, 129, 200])
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_chunk_edges(device, lookups, rows):

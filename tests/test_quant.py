@@ -688,7 +688,21 @@ def test_static_config_leaves_uncalibrated_layers_alone_and_reports_errors():
     assert "no calibrated activation scale" in report.skipped["4"]
     assert set(report.errors) == {"0", "2"}
     assert all(0 < e < 0.05 for e in report.errors.values()), report.errors  # int8 of Gaussian data: ~1%
-    assert "relative error" in str(report)
+    assert "relative error" in str(report) and not report.unused_scales
+
+
+def test_static_scales_named_after_no_layer_are_refused_or_reported():
+    # Scales calibrated on a parent model name its layers "model.0", ...: quantizing the child matched none
+    # and left every layer alone, the report guessing "not called while calibrating".
+    model = _mlp()
+    scales = {f"model.{name}": s for name, s in calibrate(model, [torch.randn(4, 24)], 1, progress=False)
+              .act_scales().items()}
+    with pytest.raises(ValueError, match="none of the config's 3 act_scales names a layer of this model"):
+        quantize_(model, Int8StaticActivationInt8WeightConfig(scales))
+    assert all(type(m) is not Int8Linear for m in model.modules())  # nothing changed
+    report = quantize_(model, Int8StaticActivationInt8WeightConfig({**scales, "0": 0.01}))
+    assert list(report.replaced) == ["0"] and report.unused_scales == sorted(scales)
+    assert "unused act_scales (no layer of these names): ['model.0'" in str(report)
 
 
 def test_unknown_config_and_bad_scales_raise():
@@ -759,6 +773,8 @@ def test_int8_conv2d_against_the_float_conv(device, shape, dtype, channels_last)
     assert_close(y.permute(0, 2, 3, 1).reshape(-1, 10), ref.permute(0, 2, 3, 1).reshape(-1, 10), bound, "Int8Conv2d")
     with pytest.raises(ValueError, match=r"\(N, 6, H, W\)"):
         layer(x[:, :5])
+    with torch.no_grad():  # unbatched (C, H, W), as nn.Conv2d takes it
+        assert torch.equal(layer(x[1]), y[1])
 
 
 @pytest.mark.parametrize("args,kwargs,words", [((4, 4, 3), dict(groups=2), "grouped"),
@@ -1116,9 +1132,31 @@ def test_transformer_encoder_layer_keeps_its_float_weights():
         expected = layer(x)
     report = quantize_(layer, Int8DynamicActivationInt8WeightConfig())
     assert not report.replaced
-    assert "TransformerEncoderLayer: its inference fast path" in report.skipped["linear1"]
+    assert "TransformerEncoderLayer.forward reads self.linear1.weight itself" in report.skipped["linear1"]
     with torch.no_grad():
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+
+
+class _CastsToItsOutputLayersDtype(nn.Module):
+    """As transformers' T5DenseActDense: its forward casts activations to ``self.wo.weight.dtype`` (an fp8
+    weight there cast them to fp8 before the layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wi, self.wo = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.wo(torch.relu(self.wi(x)).to(self.wo.weight.dtype))
+
+
+def test_a_parent_that_reads_its_childs_weight_keeps_that_child_float():
+    model = _CastsToItsOutputLayersDtype()
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    assert list(report.replaced) == ["wi"] and isinstance(model.wi, Int8Linear)
+    assert "_CastsToItsOutputLayersDtype.forward reads self.wo.weight itself" in report.skipped["wo"]
+    assert type(model.wo) is nn.Linear
+    with torch.no_grad():
+        assert model(torch.randn(3, 8)).dtype == torch.float32
 
 
 def test_int8_layer_past_the_k_limit_is_left_alone():
@@ -1321,6 +1359,20 @@ def test_forward_mode_ad_through_a_quantized_layer_raises(config):
         torch.func.jvp(conv, (torch.randn(1, 2, 5, 5),), (torch.randn(1, 2, 5, 5),))
 
 
+def test_reverse_mode_transforms_and_jit_trace_say_a_quantized_layer_has_no_backward():
+    # torch.func.grad/jacrev raised torch's "must override the setup_context staticmethod"; torch.jit.trace
+    # with a grad-requiring input failed inside torch ("unordered_map::at")
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda name, layer: name == "1")
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
+        torch.func.grad(lambda x: model(x).sum())(x)
+    with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
+        torch.func.jacrev(model)(x)
+    with pytest.raises(RuntimeError, match="trace under torch.no_grad"):
+        torch.jit.trace(model, x)
+
+
 def test_quantized_layers_take_their_float_layers_argument_names():
     # nn.Linear.forward(input), nn.Conv2d.forward(input): a caller's fc(input=h) broke after quantize_
     x = torch.randn(3, 8)
@@ -1398,6 +1450,17 @@ def test_calibrate_refuses_inf_and_reads_a_keyword_input():
 
     calib = calibrate(Keyword(), [torch.full((2, 4), 3.0)], 1, progress=False)
     assert calib.absmax["fc"] == 3.0
+    # (inputs, labels) with the inputs a mapping, as transformers' collators make them: keyword arguments
+    calib = calibrate(Keyword(), [({"x": torch.full((2, 4), 5.0)}, torch.zeros(2))], 1, progress=False)
+    assert calib.absmax["fc"] == 5.0
+
+    class TwoInputs(Keyword):
+        def forward(self, x, y=None):
+            return self.fc(input=y)
+
+    with pytest.raises(ValueError, match="without a tensor input .* a model of several inputs takes them from a "
+                                         "mapping"):
+        calibrate(TwoInputs(), [(torch.ones(2, 4), torch.ones(2, 4))], 1, progress=False)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

@@ -25,7 +25,7 @@ import operator
 import re
 import textwrap
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -271,7 +271,21 @@ def _parent_reaches_inside(parent: nn.Module, key: str) -> Optional[str]:
             type(parent).forward is nn.Sequential.forward and "forward" not in vars(parent)):
         return None
     cls = type(parent)
-    members = inspect.getmembers(cls, inspect.isfunction)  # the methods it has, inherited too; its properties'
+    for name, method in class_methods(cls, skip_modules=("torch.", "transformers.")):
+        if method is None:
+            return f"{cls.__name__}.{name} has no readable source to check how it uses its Sequential {key}"
+        me = method.args.args[0].arg if method.args.args else None  # "self", by convention only
+        if me is not None and _reaching_use(method, me, key):
+            return (f"{cls.__name__}.{name} uses {me}.{key} other than by calling it (indexed or iterated, it "
+                    "would meet the fused layer, ReLU included)")
+    return None
+
+
+def class_methods(cls: type, skip_modules: Tuple[str, ...] = ()) -> Iterator[Tuple[str, Optional[ast.AST]]]:
+    """(name, syntax tree of the function) for each method of ``cls`` (inherited too) and its properties'
+    functions, None where there is no readable source; ``__init__`` (it ran before any patch), static methods
+    and functions of modules starting with ``skip_modules`` left out."""
+    members = inspect.getmembers(cls, inspect.isfunction)
     for klass in cls.__mro__:
         for name, attr in vars(klass).items():
             if isinstance(attr, property):
@@ -280,19 +294,12 @@ def _parent_reaches_inside(parent: nn.Module, key: str) -> Optional[str]:
                 members.append((name, attr.func))
     for name, fn in members:
         module = getattr(fn, "__module__", None) or ""
-        if (name == "__init__" or module.startswith(("torch.", "transformers."))  # __init__ ran before the patch
+        if (name == "__init__" or (skip_modules and module.startswith(skip_modules))
                 or isinstance(inspect.getattr_static(cls, name, None), staticmethod)):
             continue
         tree = _source_tree(fn)  # a lambda in the class body: its assignment's line
-        method = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                   ast.Lambda))), None) if tree else None
-        if method is None:
-            return f"{cls.__name__}.{name} has no readable source to check how it uses its Sequential {key}"
-        me = method.args.args[0].arg if method.args.args else None  # "self", by convention only
-        if me is not None and _reaching_use(method, me, key):
-            return (f"{cls.__name__}.{name} uses {me}.{key} other than by calling it (indexed or iterated, it "
-                    "would meet the fused layer, ReLU included)")
-    return None
+        yield name, next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                      ast.Lambda))), None) if tree else None
 
 
 def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:

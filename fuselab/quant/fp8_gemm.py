@@ -5,7 +5,7 @@
 A (M, K) and B (K, N) are ``float8_e4m3fn`` with rowwise scales (one per row of A, one per column of
 B); every product of two e4m3 values is exact in fp32, and the sums accumulate in fp32 (the kernel
 adds each K tile's partial product into an fp32 accumulator: Hopper's fp8 MMA keeps fewer bits
-inside one instruction chain). The epilogue is the INT8 op's (``_scaled_gemm``).
+inside one instruction chain). The epilogue is the INT8 op's (``_scaled_gemm``), its limits too.
 
 Where it runs: fuselab's Triton kernel on CUDA GPUs with fp8 tensor cores (compute capability 8.9 or
 newer: Ada, Hopper; elsewhere on CUDA the op raises) and in the interpreter; on a CPU, PyTorch's fp32

@@ -32,7 +32,10 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _refuse_forward_ad(x: torch.Tensor) -> None:
+def _refuse_untracked_derivatives(x: torch.Tensor) -> None:
+    if torch.jit.is_tracing() and torch.is_grad_enabled() and x.requires_grad:  # it failed inside torch
+        raise RuntimeError("torch.jit.trace of a quantized layer (fuselab.quant) whose input requires grad: trace "
+                           "under torch.no_grad() (quantized layers have no backward)")
     # A custom op carries no tangent: where x has one (jvp, jacfwd), the layers after would get zeros
     if in_dual_level() and forward_ad.unpack_dual(x).tangent is not None:  # torch.func.jvp's wrapped tensors too
         raise NotImplementedError("a quantized layer (fuselab.quant) has no forward-mode derivative (rounding has "
@@ -42,9 +45,13 @@ def _refuse_forward_ad(x: torch.Tensor) -> None:
 
 class _NoBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, boxed):
+    def forward(x, boxed):
         # y comes boxed and leaves detached: not a view of an input (in-place ops after the layer stay legal)
         return boxed[0].detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # a separate setup_context: torch.func transforms take the Function
+        pass
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,7 +88,7 @@ class _QuantizedLinear(nn.Module):
         return fused or bool(relu)
 
     def _load_float(self, linear: nn.Linear, quantize) -> None:
-        self.weight, self.weight_scale = quantize(linear.weight)
+        self.weight, self.weight_scale = quantize(linear.weight.contiguous())  # PyTorch's path keeps a layout
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -158,7 +165,7 @@ class Int8Linear(_QuantizedLinear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
         x = input
-        _refuse_forward_ad(x)
+        _refuse_untracked_derivatives(x)
         self._check_width(x)
         out_dtype = _output_dtype(x)
         if self.act_scale is None:
@@ -186,7 +193,7 @@ class Float8Linear(_QuantizedLinear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
         x = input
-        _refuse_forward_ad(x)
+        _refuse_untracked_derivatives(x)
         self._check_width(x)
         out_dtype = _output_dtype(x)
         xq, x_scale = quantize_fp8_rowwise(x)
@@ -239,9 +246,12 @@ class Int8Conv2d(_QuantizedLinear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Conv2d's argument name: callers may pass it
         x = input
-        _refuse_forward_ad(x)
+        _refuse_untracked_derivatives(x)
+        if x.dim() == 3 and x.shape[0] == self.in_channels:  # unbatched, as nn.Conv2d takes it
+            return self(x.unsqueeze(0)).squeeze(0)
         if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(f"Int8Conv2d takes (N, {self.in_channels}, H, W) inputs, got {tuple(x.shape)}")
+            raise ValueError(f"Int8Conv2d takes (N, {self.in_channels}, H, W) or ({self.in_channels}, H, W) inputs, "
+                             f"got {tuple(x.shape)}")
         out_dtype = _output_dtype(x)
         n, _, h, w = x.shape
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self.padding, self.dilation

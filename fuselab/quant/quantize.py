@@ -12,6 +12,8 @@ Every decision is made before anything changes. ``calibrate`` runs a few batches
 model to record each layer's input range (static activation scales) and a sample of its inputs, on
 which the report measures each quantized layer's error against its float layer.
 """
+import ast
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -21,7 +23,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.nn.fuse import is_conv1d, training_mode, why_not_swapped
+from fuselab.nn.fuse import class_methods, is_conv1d, training_mode, why_not_swapped
 from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 from fuselab.quant.config import (
     Float8RowwiseConfig,
@@ -136,9 +138,10 @@ class Calibration:
 
 
 def _model_input(batch):
-    """A loader's batch as the model's arguments: ``(x, y, ...)`` -> x, a mapping -> keyword arguments."""
+    """A loader's batch as the model's arguments: ``(x, y, ...)`` -> x, a mapping (or ``(mapping, labels)``, as
+    transformers' collators make) -> keyword arguments."""
     if isinstance(batch, (tuple, list)):
-        return (batch[0],), {}
+        return ((), dict(batch[0])) if batch and isinstance(batch[0], Mapping) else ((batch[0],), {})
     if isinstance(batch, Mapping):  # a dict, or transformers' BatchEncoding (a UserDict)
         return (), dict(batch)
     return (batch,), {}
@@ -179,9 +182,10 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
     input's absmax and its first ``sample_rows`` input rows, and for every ``nn.Conv2d`` its first input
     images, enough for ``sample_rows`` positions (at least one: ``quantize_``'s error of an Int8Conv2d).
     A batch is a tensor, a ``(x, target, ...)`` tuple or list (x is passed), or a mapping of keyword
-    arguments (a dict, transformers' BatchEncoding); tensors are moved to the model's device. A progress
-    bar is shown if tqdm is installed and ``progress``. Raises ValueError if ``n_batches < 1``, the loader
-    runs out first, or the model has no such layer (a model quantized already, say)."""
+    arguments (a dict, transformers' BatchEncoding; also as a tuple's first element); tensors are moved to the
+    model's device. A progress bar is shown if tqdm is installed and ``progress``. Raises ValueError if
+    ``n_batches < 1``, the loader runs out first, or the model has no such layer (a model quantized already,
+    say)."""
     if isinstance(n_batches, bool) or not (isinstance(n_batches, int) and n_batches >= 1):
         raise ValueError(f"n_batches must be a positive int, got {n_batches!r}")
     absmax: Dict[str, float] = {}
@@ -191,7 +195,10 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
         def hook(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()), None)  # fc(x) or fc(input=x)
             if not isinstance(x, torch.Tensor):
-                raise ValueError(f"calibrate: {name!r} was called without a tensor input")
+                raise ValueError(f"calibrate: {name!r} was called without a tensor input (a batch is passed to the "
+                                 "model as model(x) for a tensor x or a tuple (x, target, ...), as model(**batch) "
+                                 "for a mapping or a tuple (mapping, target, ...): a model of several inputs takes "
+                                 "them from a mapping)")
             x = x.detach()
             if isinstance(module, nn.Conv2d):  # images for the error of an Int8Conv2d; no scale
                 have = sum(s.shape[0] for s in samples.get(name, []))
@@ -240,12 +247,14 @@ def calibrate(model: nn.Module, loader: Iterable, n_batches: int, *, sample_rows
 class QuantizationReport:
     """What ``quantize_`` did: layers ``replaced`` (name -> what it became), layers ``skipped`` (name
     -> why it was left alone) and, with calibration data, each replaced layer's relative error
-    against its float layer on that data, ``||y_q - y|| / ||y||`` over the sample (``errors``)."""
+    against its float layer on that data, ``||y_q - y|| / ||y||`` over the sample (``errors``; calibration
+    samples lie inside the calibrated range: a static scale's clipping of larger inputs does not show there)."""
 
     config: Any
     replaced: Dict[str, str] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)
     errors: Dict[str, float] = field(default_factory=dict)
+    unused_scales: List[str] = field(default_factory=list)  # a static config's scales named after no layer here
 
     def __str__(self) -> str:
         lines = [f"quantized {len(self.replaced)} layer(s) with {type(self.config).__name__}; "
@@ -254,6 +263,8 @@ class QuantizationReport:
             error = f"  relative error {self.errors[name]:.2e}" if name in self.errors else ""
             lines.append(f"  replaced {name!r}: {what}{error}")  # quoted, as FusionReport's names
         lines += [f"  skipped  {name!r}: {why}" for name, why in self.skipped.items()]
+        if self.unused_scales:
+            lines.append(f"  unused act_scales (no layer of these names): {self.unused_scales}")
         return "\n".join(lines)
 
 
@@ -288,29 +299,41 @@ def _replaced_types(config: Any) -> Tuple[type, ...]:
     return _REPLACED + (FusedConv1DReLU,) + ((nn.Conv2d,) if convs else ())
 
 
-# Parents whose own forward reads a child Linear's float weight (not through the child's forward).
-_READS_CHILD_WEIGHTS = {nn.TransformerEncoderLayer: "its inference fast path "
-                                                    "(torch._transformer_encoder_layer_fwd) reads linear1/linear2's "
-                                                    "weights directly"}
+@functools.lru_cache(maxsize=None)
+def _reads_child_weight(parent_cls: type, key: str) -> Optional[str]:
+    """Why ``parent_cls`` may read its child ``key``'s float weight or bias itself, not through the child's forward
+    (``self.key.weight.dtype``, a fast path passing ``self.key.weight`` to a fused kernel): a quantized child holds
+    int8/fp8 buffers there. None where no method of the class (torch.nn.Module's aside) does."""
+    for name, method in class_methods(parent_cls, skip_modules=("torch.nn.modules.module",)):
+        me = method.args.args[0].arg if method is not None and method.args.args else None
+        for node in ast.walk(method) if me is not None else ():
+            if (isinstance(node, ast.Attribute) and node.attr in ("weight", "bias")
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == key
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == me):
+                return (f"{parent_cls.__name__}.{name} reads {me}.{key}.{node.attr} itself (a quantized layer's "
+                        "weight is an int8/fp8 buffer: what it does with it would change)")
+    return None
 
 
 def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED,
-                       parents: Tuple[nn.Module, ...] = ()) -> Optional[str]:
-    """Why a swap of ``layer`` (a child of ``parents``) would not compute what the config specifies
-    (None: it would)."""
+                       parents: Tuple[Tuple[nn.Module, str], ...] = ()) -> Optional[str]:
+    """Why a swap of ``layer`` (held by ``parents`` as (parent, key) pairs) would not compute what the config
+    specifies (None: it would)."""
     if isinstance(layer, QUANTIZED_LAYERS):
         return f"already quantized ({type(layer).__name__})"
     if isinstance(layer, _ConvNd) and type(layer) not in replaced:
-        return (f"a {type(layer).__name__}: quantize_ replaces nn.Conv2d only, with "
+        if type(layer) is nn.Conv2d:
+            return "an nn.Conv2d: replaced with Int8DynamicActivationInt8WeightConfig(conv2d=True) only"
+        return (f"a {type(layer).__name__}: of convolutions quantize_ replaces exactly nn.Conv2d, with "
                 "Int8DynamicActivationInt8WeightConfig(conv2d=True)")
     if type(layer) not in replaced and not is_conv1d(layer):
         cls = type(layer)
         names = " or ".join(("nn." if t.__module__.startswith("torch.nn") else "") + t.__name__ for t in replaced)
         return f"a {cls.__module__}.{cls.__qualname__}, not exactly {names} (its forward may differ)"
-    for parent in parents:
-        for kind, why in _READS_CHILD_WEIGHTS.items():
-            if isinstance(parent, kind):
-                return f"inside an nn.{kind.__name__}: {why}"
+    for parent, key in parents:
+        why = _reads_child_weight(type(parent), key)
+        if why is not None:
+            return why
     why = why_not_swapped(layer)
     if why is not None:
         return why
@@ -359,7 +382,8 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     parents is replaced everywhere by one quantized layer. Returns the report (layers already
     quantized are listed as left alone); raises TypeError for an unknown config type, a config class
     passed for an instance and a ``calibration`` that is not a Calibration, ValueError for a calibration
-    sample that the layer of its name cannot take (calibrated on another model); then, or if ``filter_fn``
+    sample that the layer of its name cannot take and for static scales none of which names a layer here
+    (calibrated on another model); then, or if ``filter_fn``
     or a conversion raises, nothing is changed. A replaced layer whose weight another module shares gets
     its own copy (the report says so). Quantized layers are for inference: a backward through one raises.
     """
@@ -375,8 +399,16 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     report = QuantizationReport(config=config)
     planned = []
     replaced = _replaced_types(config)
-    for name, layer, parents in _layer_sites(model, _accounted).values():
-        why = (_why_not_quantized(layer, replaced, tuple(p for p, _ in parents))
+    sites = _layer_sites(model, _accounted).values()
+    if isinstance(config, Int8StaticActivationInt8WeightConfig) and config.act_scales:
+        names = {name for name, _, _ in sites}
+        if not names & set(config.act_scales):  # calibrated on another model, or on a parent of this one
+            raise ValueError(f"quantize_: none of the config's {len(config.act_scales)} act_scales names a layer of "
+                             f"this model (it has e.g. {next(iter(config.act_scales))!r}; this model's layers: "
+                             f"{sorted(names)[:5]}): calibrate the model you quantize; nothing was changed")
+        report.unused_scales = sorted(set(config.act_scales) - names)
+    for name, layer, parents in sites:
+        why = (_why_not_quantized(layer, replaced, tuple(parents))
                or handler.why_not(layer, name, config))
         if why is None and filter_fn is not None and not filter_fn(name, layer):
             why = "vetoed by filter_fn"

@@ -181,12 +181,13 @@ def _rows_fake(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows_op(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() and x.shape[-1] == 0:  # nothing to scale: PyTorch's amax of an empty row raises, the tiny scale is due
+        q, scale = _rows_fake(x, fp8)
+        return q, scale.fill_(_TINY / (FP8_MAX if fp8 else INT8_QMAX))
     if not _runs_triton(x):
         _check(x, "quantize_rows")
         return _torch_rowwise(x, fp8)
     q, scale = _rows_fake(x, fp8)
-    if x.shape[-1] == 0:  # nothing to scale: PyTorch's amax of an empty row raises, the tiny scale is due
-        return q, scale.fill_(_TINY / (FP8_MAX if fp8 else INT8_QMAX))
     _quantize_rows(_rows(x), q.view(-1, x.shape[-1]), scale.view(-1), static=False)
     return q, scale
 

@@ -261,12 +261,14 @@ def train(args, rt):
         epoch_s = time.perf_counter() - epoch_t0
         sync_buffers(module)
         acc = evaluate(module, test_set, rt, autocast, channels_last)
-        train_loss = fd.all_reduce(epoch_loss.item() / max(1, done))
+        train_loss = fd.all_reduce(epoch_loss.item() / done) if done else None  # a resume at the epoch's end: none
         accuracies.append((epoch + 1, acc))
-        log.info("epoch %d: train loss %.4f, test accuracy %.4f, %.1f s", epoch + 1, train_loss, acc, epoch_s)
+        log.info("epoch %d: train loss %s, test accuracy %.4f, %.1f s", epoch + 1,
+                 "(no batch after the resume)" if train_loss is None else f"{train_loss:.4f}", acc, epoch_s)
         results.record(metric="test accuracy", value=acc, epoch=epoch + 1, step=step, **keys)
         part = {"from_sample": skip} if skip else {}  # a resumed epoch's loss is over its batches after the resume
-        results.record(metric="train loss", value=train_loss, epoch=epoch + 1, step=step, **part, **keys)
+        if train_loss is not None:
+            results.record(metric="train loss", value=train_loss, epoch=epoch + 1, step=step, **part, **keys)
         results.record(metric="epoch s", value=epoch_s, epoch=epoch + 1, **keys)
         if done == len(batches):
             epoch, skip = epoch + 1, 0

@@ -315,7 +315,7 @@ def train(args, rt):
 
     ckpt, state = None, None
     start, samples_seen = 0, 0
-    settings = run_settings(args, SETTINGS)
+    settings = {**run_settings(args, SETTINGS), "global_batch": global_batch}  # at any world size, the same batch
     if args.checkpoint_dir is not None:
         ckpt = open_checkpointer(args, settings, log)
         if args.resume:
@@ -330,9 +330,6 @@ def train(args, rt):
                                  f"had GPT-2's 50,257: --vocab-multiple 1)") from None
             if state is not None:
                 start, samples_seen = state["step"], state["samples_seen"]
-                if state.get("global_batch") != global_batch:
-                    log.warning("the checkpoint's global batch was %s sequences, this run's is %d",
-                                state.get("global_batch"), global_batch)
     if start >= args.steps:
         log.info("the checkpoint is at step %d >= --steps %d: nothing to train", start, args.steps)
     run_id = training_run(state)

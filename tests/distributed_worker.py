@@ -214,6 +214,12 @@ def check_edges(rt, out_dir):
         out["async_mismatch"] = "saved"
     except ValueError as e:
         out["async_mismatch"] = str(e)
+    try:  # each rank its own folder (nodes without a shared filesystem): rank 0 had published a checkpoint missing
+        # rank 1's file, and the run carried on (its resume then found only damaged checkpoints)
+        fd.Checkpointer(out_dir / f"edges-apart-{rt.rank}", keep=None).save(1, model)
+        out["ranks_apart"] = "saved"
+    except RuntimeError as e:
+        out["ranks_apart"] = f"{e}: {e.__cause__}" if e.__cause__ is not None else str(e)
     try:
         fd.Checkpointer(out_dir / "edges-step", keep=None).save(10 + rt.rank, model)
         out["per_rank_step"] = "saved"

@@ -147,6 +147,9 @@ def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     assert "differ between ranks in ['flag'] ('flag': rank 0 true, rank 1 1)" in edges["encoded_train_state"]
     assert "rank 1's train_state may not set ['time']" in edges["rank1_reserved"], edges
     assert "async_save differs between ranks ([False, True])" in edges["async_mismatch"], edges
+    # ranks writing into folders of their own: rank 0 refuses to publish a checkpoint without rank 1's data
+    assert "was written but not published" in edges["ranks_apart"], edges
+    assert "__1_0.distcp (missing) (every rank must write into the same folder" in edges["ranks_apart"], edges
     # refused on rank 0 only: both ranks raise (rank 1 waiting alone in the collective would hang the run)
     assert "rank 0's train_state['position'] is a builtins.tuple" in edges["rank0_json_train_state"], edges
     # FSDP2 failed deep in its backward (fsdp::chunk_cat on SparseCPU)
@@ -249,6 +252,11 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
 
     with pytest.raises(SystemExit, match="--steps 6 -> 8"):  # the schedule decays over --steps: a longer run differs
         train_fsdp.main(common[1:] + ["--steps", "8", "--resume"])
+    # the global batch is the run's: --batch x ranks by default, so fewer ranks halved it silently under the same
+    # step schedule (a hybrid run; the tokens column counted the new batch)
+    with pytest.raises(SystemExit, match="--global-batch 4 -> 2"):
+        train_fsdp.main([a for a in common[1:] if a not in ("--global-batch", "4")]
+                        + ["--steps", "6", "--resume", "--batch", "2"])
     rows = train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--merge", "--out", str(tmp_path / "a.json")])
     assert "resumed from" in capfd.readouterr().err
     merged = json.loads((tmp_path / "a.json").read_text())["rows"]

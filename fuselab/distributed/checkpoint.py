@@ -313,6 +313,19 @@ def _first_failure(error: "CheckpointException") -> str:
     return str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
 
 
+def _raise_everywhere(final: Path, errors: List[BaseException]) -> None:
+    """Rank 0 publishes a checkpoint: every rank learns whether it did, and all raise (``errors``: rank 0's) or
+    none."""
+    failure = [repr(errors[0]) if errors else None]
+    if _world() > 1:
+        dist.broadcast_object_list(failure, src=0)
+    _barrier()
+    if errors:
+        raise RuntimeError(f"checkpoint {final} was written but not published") from errors[0]
+    if failure[0] is not None:
+        raise RuntimeError(f"checkpoint {final} was written but not published (on rank 0: {failure[0]})")
+
+
 class Checkpointer:
     """Save and resume ``model``/``optimizer``/``scheduler``/train state under ``directory``.
 
@@ -476,9 +489,13 @@ class Checkpointer:
                         time.perf_counter() - t0)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
+            error = None
             if _rank() == 0:
-                self._commit(tmp, final, info, own)
-            _barrier()
+                try:
+                    self._commit(tmp, final, info, own)
+                except Exception as e:  # noqa: BLE001  raised below, on every rank
+                    error = e
+            _raise_everywhere(final, [error] if error is not None else [])
             logger.info("checkpoint %s written in %.1f s", final, time.perf_counter() - t0)
         self._saved.add(int(step))
         return final
@@ -490,6 +507,10 @@ class Checkpointer:
             f.write(json.dumps(info, indent=1))
             f.flush()
             os.fsync(f.fileno())
+        problem = self._problem(tmp)  # another rank's files elsewhere: its own folder, not one shared with rank 0
+        if problem is not None:
+            raise RuntimeError(f"{problem[1]} (every rank must write into the same folder: one node, or a "
+                               "filesystem shared by all nodes); not published, nothing pruned")
         old = None
         step = info["step"]
         if final.exists() and own:  # the same step saved again: move the old one aside first
@@ -512,7 +533,7 @@ class Checkpointer:
             logger.warning("step %d saved%s: the later folder(s) of steps %s are renamed %s* (kept, and never resumed "
                            "from or pruned)", step, since, ", ".join(str(n) for n, _ in later), ABANDONED)
         os.replace(tmp, final)
-        self._sizes.pop(final, None)
+        self._sizes[final] = self._sizes.pop(tmp)  # the .metadata read to check tmp above: the same file
         _fsync_dir(self.dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -535,14 +556,7 @@ class Checkpointer:
         self._pending = None
         future.result()
         done.wait()
-        failure = [repr(errors[0]) if errors else None]  # rank 0 publishes: every rank learns whether it did
-        if _world() > 1:
-            dist.broadcast_object_list(failure, src=0)
-        _barrier()
-        if errors:
-            raise RuntimeError(f"checkpoint {final} was written but not published") from errors[0]
-        if failure[0] is not None:
-            raise RuntimeError(f"checkpoint {final} was written but not published (on rank 0: {failure[0]})")
+        _raise_everywhere(final, errors)
 
     def close(self) -> None:
         self.wait()

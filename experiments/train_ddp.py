@@ -35,11 +35,13 @@ from tqdm import tqdm
 from experiments import data, harness
 from experiments.training import (
     add_run_args,
+    check_same_on_every_rank,
     decay_groups,
     finish_run_args,
     open_checkpointer,
     restart_schedule,
     run_distributed,
+    run_record,
     run_settings,
     training_run,
     warmup_cosine_schedule,
@@ -189,6 +191,7 @@ def train(args, rt):
     length = (f"{args.epochs} epochs" if total_steps == args.epochs * steps_per_epoch
               else f"{total_steps * args.batch * world} samples")
     settings = {**run_settings(args, SETTINGS), "schedule": length}
+    check_same_on_every_rank(settings)
     if args.checkpoint_dir is not None:
         ckpt = open_checkpointer(args, settings, log)
         if args.resume:
@@ -212,7 +215,7 @@ def train(args, rt):
     log.info("%s: %s, %d rank(s) x batch %d, lr %.3g (= %.3g x %d), %d steps/epoch, %d steps", keys["op"],
              keys["provider"], world, args.batch, args.lr * world, args.lr, world, steps_per_epoch, total_steps)
     results = harness.Results(STUDY, device=args.device)
-    results.annotate(training_run=run_id)
+    results.annotate(**run_record(run_id, settings, state))
     windows, accuracies = [], []
     bar = tqdm(total=total_steps, initial=step, desc=STUDY, disable=not rt.is_main, dynamic_ncols=True)
     if cuda:

@@ -41,10 +41,12 @@ from tqdm import tqdm
 from experiments import data, harness
 from experiments.training import (
     add_run_args,
+    check_same_on_every_rank,
     decay_groups,
     finish_run_args,
     open_checkpointer,
     run_distributed,
+    run_record,
     run_settings,
     training_run,
     warmup_cosine_schedule,
@@ -316,6 +318,7 @@ def train(args, rt):
     ckpt, state = None, None
     start, samples_seen = 0, 0
     settings = {**run_settings(args, SETTINGS), "global_batch": global_batch}  # at any world size, the same batch
+    check_same_on_every_rank(settings)
     if args.checkpoint_dir is not None:
         ckpt = open_checkpointer(args, settings, log)
         if args.resume:
@@ -420,7 +423,7 @@ def train(args, rt):
         return []
     return report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib,
                           dict(op=op, provider=variant, shape=shape, dtype=args.precision, mode="wall"),
-                          n_params, fpt, global_batch, run_id)
+                          n_params, fpt, global_batch, run_record(run_id, settings, state))
 
 
 @torch.no_grad()
@@ -442,9 +445,9 @@ def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int)
 
 
 def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch,
-                   run_id: str):
+                   run: dict):
     results = harness.Results(STUDY, device=args.device)
-    results.annotate(training_run=run_id)
+    results.annotate(**run)
     extra = dict(world_size=rt.world_size, params=n_params, flops_per_token=fpt, global_batch=global_batch,
                  seq=args.seq, vocab=padded_vocab(args),
                  flop_formula="6*N + 12*L*d*T per token (N without the position embedding and vocabulary padding)")

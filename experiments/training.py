@@ -109,6 +109,27 @@ def run_settings(args: argparse.Namespace, names) -> Dict[str, object]:
     return {name: str(v) if isinstance(v := getattr(args, name), Path) else v for name in names}
 
 
+def run_record(run_id: str, settings: Dict[str, object], state: Optional[Dict[str, object]]) -> Dict[str, object]:
+    """What a results file records of the run: its id, its settings and, for a resumed part, where it resumed."""
+    resumed = {"resumed_from_step": state["step"], "resumed_from_world_size": state.get("world_size")} if state else {}
+    return {"training_run": run_id, "settings": settings, **resumed}
+
+
+def check_same_on_every_rank(settings: Dict[str, object]) -> None:
+    """SystemExit on every rank where the ranks were started with different run ``settings`` (one rank's --seed or
+    --lr: FSDP2 kept each rank's own initial shard and the run went on), naming the first that differs."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, settings)
+    for key in sorted(set().union(*gathered)):
+        values = [g.get(key, "(missing)") for g in gathered]
+        other = next((r for r, v in enumerate(values) if v != values[0]), None)
+        if other is not None:
+            raise SystemExit(f"the ranks were started with different settings: {key} is {values[0]!r} on rank 0 and "
+                             f"{values[other]!r} on rank {other}; every rank takes the same arguments")
+
+
 def run_distributed(train: Callable, args: argparse.Namespace):
     """``train(args, runtime)`` in this process's share of the job (torchrun's, or a single process)."""
     rt = fd.init(args.device, timeout_s=args.timeout)

@@ -220,6 +220,13 @@ def check_edges(rt, out_dir):
         out["ranks_apart"] = "saved"
     except RuntimeError as e:
         out["ranks_apart"] = f"{e}: {e.__cause__}" if e.__cause__ is not None else str(e)
+    from experiments.training import check_same_on_every_rank
+
+    try:  # one rank's --seed: FSDP2 kept each rank's own initial shard, and the run went on
+        check_same_on_every_rank({"lr": 0.1, "seed": rt.rank})
+        out["rank_settings"] = "agreed"
+    except SystemExit as e:
+        out["rank_settings"] = str(e)
     try:
         fd.Checkpointer(out_dir / "edges-step", keep=None).save(10 + rt.rank, model)
         out["per_rank_step"] = "saved"

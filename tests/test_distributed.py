@@ -147,6 +147,7 @@ def test_misuse_is_refused_and_opt_blocks_fuse_after_sharding(trained):
     assert "differ between ranks in ['flag'] ('flag': rank 0 true, rank 1 1)" in edges["encoded_train_state"]
     assert "rank 1's train_state may not set ['time']" in edges["rank1_reserved"], edges
     assert "async_save differs between ranks ([False, True])" in edges["async_mismatch"], edges
+    assert "different settings: seed is 0 on rank 0 and 1 on rank 1" in edges["rank_settings"], edges
     # ranks writing into folders of their own: rank 0 refuses to publish a checkpoint without rank 1's data
     assert "was written but not published" in edges["ranks_apart"], edges
     assert "__1_0.distcp (missing) (every rank must write into the same folder" in edges["ranks_apart"], edges
@@ -243,8 +244,12 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
     first = launch(common + ["--steps", "6", "--checkpoint-every", "2", "--out", str(tmp_path / "a.json")],
                    module=True, timeout=300)
     assert first.returncode == 0, output(first)
-    rows = json.loads((tmp_path / "a.json").read_text())["rows"]
+    saved = json.loads((tmp_path / "a.json").read_text())
+    rows = saved["rows"]
     assert {r["provider"] for r in rows} == {"fsdp+vocab50304+fused-relu"}
+    # the results record what was run: rows of runs with another --lr had the same labels and nothing else
+    [run] = saved["runs"].values()
+    assert run["settings"]["lr"] == 3e-4 and run["settings"]["global_batch"] == 4 and "resumed_from_step" not in run
     assert {r["metric"] for r in rows} >= {"tokens/s", "TFLOP/s per GPU", "loss", "val loss"}
     shutil.rmtree(tmp_path / "ckpt" / "step_00000006")  # as if killed after step 4's save
     # resume in this process: a plain process (no torchrun), world size 1, unsharded
@@ -259,7 +264,9 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
                         + ["--steps", "6", "--resume", "--batch", "2"])
     rows = train_fsdp.main(common[1:] + ["--steps", "6", "--resume", "--merge", "--out", str(tmp_path / "a.json")])
     assert "resumed from" in capfd.readouterr().err
-    merged = json.loads((tmp_path / "a.json").read_text())["rows"]
+    merged_file = json.loads((tmp_path / "a.json").read_text())
+    merged = merged_file["rows"]
+    assert {r.get("resumed_from_step") for r in merged_file["runs"].values()} == {None, 4}
     assert [r["step"] for r in rows if r["metric"] == "loss"] == [6]
     # merged, the first run's curve stays beside the resumed one's (one rank: another provider)
     assert sorted((r["provider"], r["step"]) for r in merged if r["metric"] == "loss") == [
@@ -569,6 +576,19 @@ for name, opt in (("regrouped", torch.optim.Adam(model.parameters(), lr=1e-2)),
         print(name, e)
 grouped.load(model, torch.optim.Adam([{"params": weights}, {"params": biases, "lr": 5e-3}], lr=1e-2))
 print("samegroups loaded")
+# Another LR scheduler class: its state failed to load (KeyError 'lr_lambdas') after the model was overwritten
+scheduled = fd.Checkpointer(sys.argv[1] + "-scheduler")
+sched_opt = stepped(torch.optim.SGD(model.parameters(), lr=0.1))
+scheduled.save(1, model, sched_opt, torch.optim.lr_scheduler.StepLR(sched_opt, 5))
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+changed = [p.detach().clone() for p in model.parameters()]
+try:
+    scheduled.load(model, sched_opt, torch.optim.lr_scheduler.LambdaLR(sched_opt, lambda s: 1.0))
+    print("rescheduled loaded")
+except ValueError as e:
+    print("rescheduled", e, all(torch.equal(a, b) for a, b in zip(changed, model.parameters())))
 # A parameter without a gradient before the save (a head used later) has no optimizer state: the resume loads
 heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
 head_opt = torch.optim.AdamW(heads.parameters(), lr=0.1)
@@ -660,7 +680,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert proc.returncode == 0, output(proc)
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in
                  ("smaller", "wider", "reserved", "unstepped", "rollback", "rollback2", "negative", "async", "foreign",
-                  "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "damaged",
+                  "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "rescheduled", "damaged",
                   "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap",
                   "resave", "chdir", "linked", "info", "reads", "warmtwice",
                   "abandonedload"))
@@ -685,6 +705,8 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert "2 parameter group(s) of 2, 2 parameters, this one 1 of 4" in lines["regrouped"], lines
     assert "optimizer is torch.optim.adam.Adam, this one torch.optim.adamw.AdamW" in lines["reclassed"], lines
     assert lines["samegroups"] == "loaded", lines
+    assert ("the LR scheduler is torch.optim.lr_scheduler.StepLR, this one torch.optim.lr_scheduler.LambdaLR"
+            in lines["rescheduled"] and lines["rescheduled"].endswith("True")), lines  # the model left as it was
     assert lines["damaged"] == ("abandoned-step_00000003 abandoned-step_00000004 step_00000001 step_00000002 "
                                 "step_00000003"), lines
     assert lines["pruned"] == "step_00000003 step_00000004", lines

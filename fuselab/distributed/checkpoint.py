@@ -63,6 +63,7 @@ TMP = ".tmp-"
 ABANDONED = "abandoned-"  # checkpoints past the step a resumed run saved again
 INFO = "info.json"
 LAYOUT = "fuselab_optimizer_layout"  # the train state's record of the optimizer's class and groups
+SCHEDULER = "fuselab_scheduler_class"  # and of the LR scheduler's class
 
 
 def _rank() -> int:
@@ -133,7 +134,7 @@ def _check_save_arguments(step: Any, train_state: Optional[Dict[str, Any]], asyn
     save's async_save) differs (the ranks would wait in different collectives). One collective: a rank that
     raised alone would leave the others waiting in the next."""
     problem, encoded = None, None
-    reserved = sorted({"step", "world_size", "time", LAYOUT} & set(train_state or {}))
+    reserved = sorted({"step", "world_size", "time", LAYOUT, SCHEDULER} & set(train_state or {}))
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         problem = ("ValueError", f"step must be an int >= 0, got {step!r}")
     elif reserved:
@@ -264,7 +265,7 @@ def _optimizer_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     checkpoint's optimizer state means, and what DCP's loading by name does not check."""
     names = {id(p): ".".join(part for part in name.split(".") if part not in _WRAPPERS)
              for name, p in model.named_parameters(remove_duplicate=False)}
-    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+    return {"class": _class_name(optimizer),
             "groups": [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]}
 
 
@@ -311,6 +312,10 @@ def _first_failure(error: "CheckpointException") -> str:
         cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack summary)
         return f"{type(cause).__name__}: {str(cause).strip()}"
     return str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _raise_everywhere(final: Path, errors: List[BaseException]) -> None:
@@ -448,6 +453,8 @@ class Checkpointer:
         info = {"step": int(step), "world_size": _world(), "time": time.time(), **(train_state or {})}
         if optimizer is not None:
             info[LAYOUT] = _optimizer_layout(model, optimizer)
+        if scheduler is not None:
+            info[SCHEDULER] = _class_name(scheduler)
         diverged = _diverged_buffers(model)
         if diverged and _rank() == 0:
             logger.warning("buffers differ between ranks (%s%s): the checkpoint keeps one rank's copy, and a resume "
@@ -608,6 +615,10 @@ class Checkpointer:
         if change:  # DCP would load the state by parameter name into whatever groups and rule this optimizer has
             raise ValueError(f"{path}: {change}; build the optimizer as the saved run did, or load the model "
                              "alone (optimizer=None)")
+        saved_scheduler = (self.train_state(path) or {}).get(SCHEDULER) if scheduler is not None else None
+        if saved_scheduler is not None and saved_scheduler != _class_name(scheduler):  # its state would not fit
+            raise ValueError(f"{path}: the LR scheduler is {saved_scheduler}, this one {_class_name(scheduler)}; "
+                             "build the scheduler as the saved run did (nothing was loaded)")
         if optimizer is not None and not with_optim:  # left untouched: get_state_dict would step it
             logger.warning("%s holds no optimizer state (saved before its first step?): the optimizer starts "
                            "fresh", path)

@@ -280,6 +280,8 @@ def train(args, rt):
         if ckpt is not None:
             ckpt.save(step, model, opt, sched, {"epoch": epoch, "samples_in_epoch": skip, "settings": settings,
                                                 "training_run": run_id})
+            if rt.is_main:  # the epochs so far beside each checkpoint: a part that is killed keeps them
+                results.save(harness.output_path(args, STUDY), merge=args.merge)
     bar.close()
     if ckpt is not None:
         ckpt.close()

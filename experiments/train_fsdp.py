@@ -33,6 +33,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -343,6 +344,7 @@ def train(args, rt):
     op = f"gpt2-{size} (d{args.n_embd} L{args.n_layer} H{args.n_head})"
     log.info("%s: %s params, %s FLOP/token, global batch %d x %d tokens, %s, %s", op, f"{n_params:,}",
              f"{fpt:.3e}", global_batch, args.seq, variant, args.precision)
+    keys = dict(op=op, provider=variant, shape=shape, dtype=args.precision, mode="wall")
 
     def micro_batch(sample0: int, a: int):
         rows = train_windows.rows(sample0 + (a * world + rt.rank) * args.batch, args.batch)
@@ -407,12 +409,15 @@ def train(args, rt):
                                                 "seq": args.seq, "tokens_seen": samples_seen * args.seq,
                                                 "settings": settings, "training_run": run_id})
             window_dirty = True  # a window that spans a save is not timed
+            if rt.is_main:  # the results so far beside each checkpoint: a part that is killed keeps them
+                report_results(args, rt, windows, losses, None, None, None, keys, n_params, fpt, global_batch,
+                               run_record(run_id, settings, state), partial=True)
     bar.close()
     if ckpt is not None:
         ckpt.close()
 
     if args.val_batches and start < args.steps:
-        val_loss = evaluate(model, val_windows, args, rt, forward_loss, global_batch)
+        val_loss = evaluate(model, val_windows, args, rt, forward_loss, global_batch)  # (loss, sequences)
     peak_mib = fd.all_reduce(harness.peak_memory_mib(device) or 0.0, "max") if device.type == "cuda" else None
     reserved_mib = (fd.all_reduce(torch.cuda.max_memory_reserved() / 2**20, "max")
                     if device.type == "cuda" else None)
@@ -421,17 +426,20 @@ def train(args, rt):
     if start >= args.steps:  # a resume of a finished run measured nothing: the results of the run it resumed stay
         log.warning("nothing was trained: %s left as it was", harness.output_path(args, STUDY))
         return []
-    return report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib,
-                          dict(op=op, provider=variant, shape=shape, dtype=args.precision, mode="wall"),
-                          n_params, fpt, global_batch, run_record(run_id, settings, state))
+    return report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt,
+                          global_batch, run_record(run_id, settings, state))
 
 
 @torch.no_grad()
-def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int) -> float:
+def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int) -> Tuple[float, int]:
     """Mean loss over the first ``--val-batches`` x global batch held-out sequences, in eval mode (no dropout): for
     one global batch, the same sequences at any world size and micro-batch; each rank a contiguous share, in
-    micro-batches of ``--batch``."""
-    count = args.val_batches * global_batch
+    micro-batches of ``--batch``. At most every held-out window once (more would count some twice, unevenly)."""
+    count = min(args.val_batches * global_batch, windows.n)
+    if count < args.val_batches * global_batch and rt.is_main:
+        log.warning("--val-batches %d x global batch %d asks for %d held-out sequences; the held-out split has %d "
+                    "windows of %d tokens: the validation loss is over those, each once (raise --val-fraction for "
+                    "more)", args.val_batches, global_batch, args.val_batches * global_batch, windows.n, args.seq + 1)
     share = range(rt.rank * count // rt.world_size, (rt.rank + 1) * count // rt.world_size)
     total = 0.0
     model.eval()
@@ -441,11 +449,12 @@ def evaluate(model, windows: Windows, args, rt, forward_loss, global_batch: int)
             total += forward_loss(rows[:, :-1], rows[:, 1:]).item() * len(rows)  # the loss is a mean over rows
     finally:
         model.train()
-    return fd.all_reduce(total, "sum") / count
+    return fd.all_reduce(total, "sum") / count, count
 
 
 def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt, global_batch,
-                   run: dict):
+                   run: dict, partial: bool = False):
+    """Save (and, unless ``partial``: at a checkpoint, print) the results of this part of the run."""
     results = harness.Results(STUDY, device=args.device)
     results.annotate(**run)
     extra = dict(world_size=rt.world_size, params=n_params, flops_per_token=fpt, global_batch=global_batch,
@@ -453,8 +462,9 @@ def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, 
                  flop_formula="6*N + 12*L*d*T per token (N without the position embedding and vocabulary padding)")
     rows = {}
     if not windows:
-        log.warning("no timed window (all within --timing-skip %d or spanning checkpoints): no throughput",
-                    args.timing_skip)
+        if not partial:
+            log.warning("no timed window (all within --timing-skip %d or spanning checkpoints): no throughput",
+                        args.timing_skip)
     else:
         tps = harness.Timing.of(windows)
         per_gpu = harness.Timing(*(v / rt.world_size for v in (tps.p20, tps.p50, tps.p80)))
@@ -475,18 +485,21 @@ def report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, 
     if losses:
         rows["final loss"] = losses[-1][1]
     if val_loss is not None:
-        results.record(metric="val loss", value=val_loss, **keys)
-        rows["val loss"] = val_loss
+        results.record(metric="val loss", value=val_loss[0], sequences=val_loss[1], **keys)
+        rows["val loss"] = val_loss[0]
     if peak_mib is not None:
         results.record(metric="peak MiB", value=peak_mib, **keys, **extra)
         results.record(metric="peak reserved MiB", value=reserved_mib, **keys, **extra)
         rows["peak MiB"] = peak_mib
+    path = harness.output_path(args, STUDY)
+    if partial:
+        results.save(path, merge=args.merge)
+        return results.rows
     print(harness.markdown_table(["op", "provider", "shape", *rows],
                                  [[keys["op"], keys["provider"], keys["shape"], *rows.values()]]))
     print(f"FLOP/token = 6N + 12 L d T = {fpt:.4e} (N: {n_params:,} parameters less the position embedding "
           "and vocabulary padding); "
           + (f"MFU against {args.peak_tflops} TFLOP/s per GPU" if args.peak_tflops else "no MFU (no peak given)"))
-    path = harness.output_path(args, STUDY)
     print(f"saved {results.save(path, merge=args.merge)}")
     return results.rows
 

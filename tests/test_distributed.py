@@ -287,6 +287,44 @@ def test_train_fsdp_script_checkpoints_and_resumes_on_fewer_ranks(tmp_path, capf
     assert (tmp_path / "a.json").read_text() == before
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004",
                                                                      "step_00000006"]
+    # a part killed after its second checkpoint keeps the results so far (they were written at the run's end only)
+    saves, save = [], fd.Checkpointer.save
+
+    def save_then_die(self, step, *a, **k):
+        if len(saves) == 2:
+            raise KeyboardInterrupt("killed")
+        saves.append(step)
+        return save(self, step, *a, **k)
+
+    fd.Checkpointer.save = save_then_die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_fsdp.main([a if a != str(tmp_path / "ckpt") else str(tmp_path / "killed") for a in common[1:]]
+                            + ["--steps", "6", "--checkpoint-every", "2", "--out", str(tmp_path / "killed.json")])
+    finally:
+        fd.Checkpointer.save = save
+    kept = json.loads((tmp_path / "killed.json").read_text())["rows"]
+    assert [r["step"] for r in kept if r["metric"] == "loss"] == [2, 4]
+
+
+def test_train_fsdp_validation_counts_each_held_out_window_once(caplog):
+    # 100 global batches of a split of 12 windows: each window was counted ~8 times, unevenly, with no warning
+    from types import SimpleNamespace
+
+    from experiments import train_fsdp
+
+    windows = train_fsdp.Windows(torch.arange(12 * 8 + 1), seq=8, seed=0)
+    seen = []
+
+    def forward_loss(x, y):
+        seen.extend(x[:, 0].tolist())
+        return torch.tensor(1.0)
+
+    rt = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), is_main=True)
+    args = SimpleNamespace(val_batches=100, batch=5, seq=8)
+    loss, count = train_fsdp.evaluate(torch.nn.Linear(1, 1), windows, args, rt, forward_loss, global_batch=4)
+    assert (loss, count) == (1.0, 12) and sorted(seen) == list(range(0, 96, 8))
+    assert "asks for 400 held-out sequences; the held-out split has 12 windows" in caplog.text
 
 
 def test_train_ddp_script(tmp_path):

@@ -145,7 +145,9 @@ operands are quantized beforehand: quantizing the activations is timed in the pr
 tokens; `wall` mode: synchronized, per forward): baseline **`fuselab bf16`** (patched by
 `fuse_linear_relu`), `stock bf16`, and the patched model quantized by `quantize_` with
 `Int8DynamicActivationInt8WeightConfig` (`int8 dynamic`) or `Float8RowwiseConfig` (`fp8`), every
-Linear including lm_head; its `rel err` is the first sequence's logits against the stock model's.
+Linear including lm_head (`int8 fused norms`, `fp8 fused norms`: with `fuse_norms=True`, each layer's
+two norms quantize their rows once, for q/k/v and for fc1); its `rel err` is the first sequence's
+logits against the stock model's.
 The issue's target is a quantized prefill at least 1.3x faster than `fuselab bf16`. Shapes or
 GPUs a provider refuses (cuBLAS's 8-bit GEMMs need M > 16 and K, N multiples of 8 or 16; fp8
 needs compute capability 8.9) are listed under "Not measured"; an op with no table below has not

@@ -150,7 +150,7 @@ def group_quant():
 
 def group_rowwise():
     """The activation quantization: int8 and fp8 rows, int8 with a static scale, short and long rows (read once or
-    in two passes)."""
+    in two passes); the layer norm that quantizes its rows."""
     from fuselab.quant import rowwise
 
     for fp8, static, K in ((False, False, 2048), (False, True, 2048), (True, False, 2048), (False, False, 8192),
@@ -159,6 +159,14 @@ def group_rowwise():
         q = torch.empty(64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
         for launch in record_plain(rowwise, lambda: rowwise._quantize_rows(x, q, torch.empty(64), static)):
             yield f"quantize_rows fp8={fp8} static={static} K={K}", launch, launch.config, {}
+    from fuselab.quant import norm_quant  # the layer norm that quantizes its rows: affine or not, each width class
+
+    for fp8, affine, K in ((False, True, 2048), (True, True, 2048), (False, False, 768), (False, True, 9216)):
+        x, w = torch.empty(64, K, dtype=torch.bfloat16), torch.empty(K, dtype=torch.bfloat16) if affine else None
+        q = torch.empty(64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
+        for launch in record_plain(norm_quant, lambda: norm_quant._layer_norm_quantize(x, w, w, 1e-5, q,
+                                                                                         torch.empty(64))):
+            yield f"layer_norm_quantize_rows fp8={fp8} affine={affine} K={K}", launch, launch.config, {}
 
 
 def group_sparse_adamw():

@@ -15,6 +15,7 @@ from fuselab.quant.fp8_gemm import fp8_matmul
 from fuselab.quant.fused_distill import fused_distillation_loss  # noqa: F401  registers its ops
 from fuselab.quant.int8_gemm import int8_matmul
 from fuselab.quant.modules import Float8Linear, Int8Conv2d, Int8Linear
+from fuselab.quant.norm_quant import QuantizedLayerNorm, QuantizedRows
 from fuselab.quant.pt2e import quantize_pt2e_x86
 from fuselab.quant.quantize import (
            Calibration,
@@ -28,6 +29,6 @@ from fuselab.quant.rowwise import quantize_fp8_rowwise, quantize_int8_rowwise, q
 
 __all__ = ["Calibration", "DistillationLoss", "Float8Linear", "Float8RowwiseConfig",
            "Int8Conv2d", "Int8DynamicActivationInt8WeightConfig", "Int8Linear", "Int8StaticActivationInt8WeightConfig",
-           "QuantizationReport", "calibrate", "fp8_matmul", "int8_matmul", "quantize_", "quantize_fp8_rowwise",
-           "quantize_int8_rowwise", "quantize_int8_static", "quantize_pt2e_x86", "register_quantize_module_handler",
-           "relative_error"]
+           "QuantizationReport", "QuantizedLayerNorm", "QuantizedRows", "calibrate", "fp8_matmul", "int8_matmul",
+           "quantize_", "quantize_fp8_rowwise", "quantize_int8_rowwise", "quantize_int8_static", "quantize_pt2e_x86",
+           "register_quantize_module_handler", "relative_error"]

@@ -55,13 +55,17 @@ class Int8DynamicActivationInt8WeightConfig:
 
     ``conv2d=True`` also replaces ``nn.Conv2d`` layers (``Int8Conv2d``: the input unfolded into patches,
     one per output position, each quantized as a token, then the same int8 GEMM), for conv nets whose
-    weights are mostly convolutions; off by default, as torchao's configs replace Linear layers only."""
+    weights are mostly convolutions; off by default, as torchao's configs replace Linear layers only.
+
+    ``fuse_norms=True`` also replaces a decoder layer's LayerNorm whose output only quantized linears read
+    (transformers' OPT with the norm first: q, k, v and fc1; GPT-2: c_attn and c_fc) with a
+    ``QuantizedLayerNorm`` that quantizes its rows once, for all of them (``fuselab.quant.norm_quant``)."""
 
     conv2d: bool = False
+    fuse_norms: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.conv2d, bool):
-            raise TypeError(f"conv2d must be True or False, got {self.conv2d!r}")
+        _check_flags(self, "conv2d", "fuse_norms")
 
 
 @dataclass(frozen=True)
@@ -86,4 +90,16 @@ class Int8StaticActivationInt8WeightConfig:
 class Float8RowwiseConfig:
     """FP8 e4m3: weights with one scale per output channel (absmax / 448), activations with one
     per token, quantized at run time. The GEMM runs on GPUs with fp8 tensor cores (sm_89+: Ada,
-    Hopper); on a CPU it is emulated exactly (fp32 GEMM of the fp8 values)."""
+    Hopper); on a CPU it is emulated exactly (fp32 GEMM of the fp8 values). ``fuse_norms``: as the
+    dynamic int8 config's, the norms' rows quantized to fp8."""
+
+    fuse_norms: bool = False
+
+    def __post_init__(self):
+        _check_flags(self, "fuse_norms")
+
+
+def _check_flags(config, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}")

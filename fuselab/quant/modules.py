@@ -1,8 +1,9 @@
 """Quantized drop-ins for ``nn.Linear``, ``FusedLinearReLU`` and ``nn.Conv2d``, made by ``quantize_``.
 
-Each holds its weight quantized per output channel and quantizes its input on every call, then runs
-one GEMM whose epilogue applies both scales, the bias and (for a FusedLinearReLU) the ReLU. The
-output has the input's dtype (autocast's under autocast). Inference only: the tensors are buffers,
+Each holds its weight quantized per output channel and quantizes its input on every call (or takes it
+quantized: a ``QuantizedLayerNorm``'s ``QuantizedRows``, dynamic layers only), then runs one GEMM whose
+epilogue applies both scales, the bias and (for a FusedLinearReLU) the ReLU. The output has the input's
+dtype (autocast's under autocast). Inference only: the tensors are buffers,
 and no gradient flows through a quantized layer. State-dict keys: ``weight`` (the quantized
 weight), ``weight_scale``, ``bias`` and, for static activations, ``act_scale``.
 """
@@ -20,6 +21,7 @@ from fuselab.quant.config import positive_scale
 from fuselab.quant.fp8_gemm import fp8_matmul
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
 from fuselab.quant.int8_gemm import int8_matmul
+from fuselab.quant.norm_quant import QuantizedRows
 from fuselab.quant.rowwise import FP8_DTYPE, quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
 
 
@@ -168,7 +170,11 @@ class Int8Linear(_QuantizedLinear):
         _refuse_untracked_derivatives(x)
         self._check_width(x)
         out_dtype = _output_dtype(x)
-        if self.act_scale is None:
+        if isinstance(x, QuantizedRows):  # a QuantizedLayerNorm's rows, quantized there
+            if self.act_scale is not None:
+                raise TypeError("an Int8Linear with a static act_scale got a QuantizedLayerNorm's per-row int8 rows")
+            xq, x_scale = x.unwrap(fp8=False, layer="Int8Linear")
+        elif self.act_scale is None:
             xq, x_scale = quantize_int8_rowwise(x)
         else:
             xq, x_scale = quantize_int8_static(x, self.act_scale), self.act_scale
@@ -196,7 +202,10 @@ class Float8Linear(_QuantizedLinear):
         _refuse_untracked_derivatives(x)
         self._check_width(x)
         out_dtype = _output_dtype(x)
-        xq, x_scale = quantize_fp8_rowwise(x)
+        if isinstance(x, QuantizedRows):  # a QuantizedLayerNorm's rows, quantized there
+            xq, x_scale = x.unwrap(fp8=True, layer="Float8Linear")
+        else:
+            xq, x_scale = quantize_fp8_rowwise(x)
         y = fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
         return self._inference_only(y, x)
 

@@ -33,6 +33,7 @@ from fuselab.quant.config import (
 from fuselab.quant.fp8_gemm import check_fp8_device
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
 from fuselab.quant.modules import QUANTIZED_LAYERS, Float8Linear, Int8Conv2d, Int8Linear, why_not_int8_conv2d
+from fuselab.quant.norm_quant import QuantizedLayerNorm, why_not_fused_norm
 from fuselab.quant.rowwise import INT8_QMAX
 
 # ----------------------------------------------------------------------------------------------
@@ -378,7 +379,9 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     ``filter_fn(name, layer) -> bool`` may veto a layer. With ``calibration`` (from ``calibrate`` on
     the float model) the report holds each replaced layer's relative error on its sampled inputs.
     A Linear followed by a separate ReLU keeps the ReLU outside the GEMM: ``fuse_linear_relu`` first
-    makes such pairs FusedLinearReLU, which this fuses into the epilogue. A layer shared by several
+    makes such pairs FusedLinearReLU, which this fuses into the epilogue. A config's ``fuse_norms=True``
+    also makes the norms of known decoder layers whose readers are all quantized ``QuantizedLayerNorm``
+    (``_fuse_norms``). A layer shared by several
     parents is replaced everywhere by one quantized layer. Returns the report (layers already
     quantized are listed as left alone); raises TypeError for an unknown config type, a config class
     passed for an instance and a ``calibration`` that is not a Calibration, ValueError for a calibration
@@ -438,7 +441,72 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
         report.replaced[name] = what
         if error is not None:
             report.errors[name] = error
+    if getattr(config, "fuse_norms", False):
+        _fuse_norms(model, isinstance(config, Float8RowwiseConfig), filter_fn, report)
     return report
+
+
+# Decoder layers (transformers' classes, by name) whose norms' outputs only the listed linears read, and when: OPT
+# also adds its norms' outputs to the residual where the norm comes after the attention (OPT-350m).
+_NORM_READERS: Dict[str, Tuple[Callable[[nn.Module], bool], Dict[str, Tuple[str, ...]]]] = {
+    "OPTDecoderLayer": (lambda layer: layer.do_layer_norm_before,
+                        {"self_attn_layer_norm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                         "final_layer_norm": ("fc1",)}),
+    "GPT2Block": (lambda block: True, {"ln_1": ("attn.c_attn",), "ln_2": ("mlp.c_fc",)}),
+}
+
+
+def _fuse_norms(model: nn.Module, fp8: bool, filter_fn, report: QuantizationReport) -> None:
+    """``fuse_norms``: each known decoder layer's norm whose readers are all dynamic quantized linears of this
+    config becomes a ``QuantizedLayerNorm`` (the report says which, and why any other is left)."""
+    reader_type = Float8Linear if fp8 else Int8Linear
+    holders: Dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        holders[id(m)] = holders.get(id(m), 0) + 1
+    planned, known = [], False
+    for layer_name, layer in model.named_modules():
+        readers = _NORM_READERS.get(type(layer).__name__)
+        if readers is None or not type(layer).__module__.startswith("transformers."):
+            continue
+        known = True
+        applies, norms = readers
+        for key, paths in norms.items():
+            name = f"{layer_name}.{key}" if layer_name else key
+            norm = getattr(layer, key, None)
+            if isinstance(norm, QuantizedLayerNorm):
+                why = "already a QuantizedLayerNorm"
+            elif not applies(layer):
+                why = f"{type(layer).__name__} adds this norm's output to the residual too (the norm comes after)"
+            else:
+                why = why_not_fused_norm(norm) or why_not_swapped(norm)
+            if why is None and holders.get(id(norm), 0) > 1:
+                why = "held by several modules"
+            if why is None:
+                others = [p for p in paths if not (type(_submodule(layer, p)) is reader_type
+                                                   and getattr(_submodule(layer, p), "act_scale", None) is None)]
+                if others:
+                    why = (f"{', '.join(others)} not a dynamic {reader_type.__name__} (left float, or quantized "
+                           "otherwise): only those read quantized rows")
+            if why is None and filter_fn is not None and not filter_fn(name, norm):
+                why = "vetoed by filter_fn"
+            if why is not None:
+                report.skipped[name] = f"norm not fused: {why}"
+            else:
+                planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8), paths))
+    for layer, key, name, fused, paths in planned:
+        setattr(layer, key, fused)
+        report.replaced[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fp8 else 'int8'} once, for "
+                                 f"{', '.join(paths)})")
+    if not known:
+        report.skipped["fuse_norms"] = ("no decoder layer it knows: fuse_norms fuses the norms of transformers' "
+                                        f"{' and '.join(_NORM_READERS)} (OPT's where the norm comes first)")
+
+
+def _submodule(module: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _holders(model: nn.Module) -> Dict[int, Dict[int, str]]:

@@ -1,0 +1,226 @@
+"""A LayerNorm whose output is quantized as it is made: ``torch.ops.fuselab.layer_norm_quantize_rows``.
+
+In a quantized decoder each quantized linear quantizes its own input on every call: q, k and v each read the
+norm's output and write int8 rows of it (three passes over the same activations, after the norm's own write
+and before its read), fc1 once more. A ``QuantizedLayerNorm`` computes each row's layer norm, rounds it to the
+model's dtype (what ``nn.LayerNorm`` returns), and writes that row quantized (int8, or fp8 e4m3, with one fp32
+scale) instead: one pass, read once and written in one byte a value, for every linear that reads it.
+
+Its output is a ``QuantizedRows``: a tensor of the norm's shape and dtype holding only the quantized rows, which
+fuselab's dynamic quantized linears (``Int8Linear``, ``Float8Linear``) take as their quantized input. Any other
+use raises a RuntimeError naming it: no float copy is kept, so nothing can go stale or be read in place of the
+norm's values. ``quantize_(model, config)`` with ``fuse_norms=True`` makes these where a decoder layer's norm
+feeds only quantized linears (transformers' OPT with the norm first, GPT-2); the report lists them.
+
+The layer norm is fp32 math (mean, then the variance of the centered row; IEEE division and square root), so a
+row's values can differ from PyTorch's kernel in the last bit of the model's dtype, and a quantized value by one
+step where that bit decides its rounding. PyTorch's path (a CPU without the interpreter) is ``F.layer_norm`` then
+``quantize_rows``' arithmetic, the unfused layers' exactly. Where the fused form cannot serve a call (gradients
+wanted, autocast, a traced or compiled call, forward-mode AD, another dtype for the norm's parameters), the
+module returns ``F.layer_norm``'s output and the linears quantize it themselves.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from fuselab.kernels._casts import cast_rne
+from fuselab.kernels._runtime import (
+    INTERPRET,
+    call_untraced,
+    in_dual_level,
+    is_tracing,
+    launch,
+    launch_planned,
+    plan_layout,
+    register_op,
+    untraced,
+)
+from fuselab.quant.rowwise import (
+    _TINY,
+    FP8_DTYPE,
+    FP8_MAX,
+    INT8_QMAX,
+    _check,
+    _quantize,
+    _row_scale,
+    _rows,
+    _runs_triton,
+    _torch_rowwise,
+)
+
+MAX_K = 16384  # a row is normalized and quantized in registers, in one block
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, eps,
+                                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, QMAX: tl.constexpr,
+                                    TINY: tl.constexpr, TO_INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row: its layer norm in fp32, rounded to x's dtype, then its scale and quantized values."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    inside = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=inside, other=0.0).to(tl.float32)
+    mean = tl.math.div_rn(tl.sum(x, axis=0), K.to(tl.float32))
+    centered = tl.where(inside, x - mean, 0.0)
+    var = tl.math.div_rn(tl.sum(centered * centered, axis=0), K.to(tl.float32))
+    y = centered * tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
+    if HAS_W:
+        y = y * tl.load(w_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    y = cast_rne(y, x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output as nn.LayerNorm returns it
+    y = tl.where(inside, y, 0.0)
+    scale = _row_scale(tl.abs(y), scale_ptr, row, QMAX, TINY)
+    tl.store(q_ptr + row * stride_qm + offs, _quantize(y, scale, QMAX, TO_INT8), mask=inside)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher and op
+# ----------------------------------------------------------------------------------------------
+
+
+def _layer_norm_quantize(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                         q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Rows of 2-D ``x`` (unit stride along K) normalized and quantized into ``q``, their scales into ``scale``."""
+    M, K = x.shape
+    if M == 0:
+        return
+    plan_key = None
+    tensors = tuple(t for t in (x, weight, bias, q, scale) if t is not None)
+    if not INTERPRET and untraced(*tensors):  # a layer's repeated eager call skips the rest
+        plan_key = ("layer_norm_quantize_rows", x.get_device(), eps, weight is None, bias is None,
+                    *(plan_layout(t) for t in tensors))
+        if launch_planned(plan_key, *tensors):
+            return
+    to_int8 = q.dtype == torch.int8
+    launch(layer_norm_quantize_rows_kernel, (M,), x, weight, bias, q, scale, K, x.stride(0), q.stride(0), eps,
+           HAS_W=weight is not None, HAS_B=bias is not None, QMAX=float(INT8_QMAX if to_int8 else FP8_MAX), TINY=_TINY,
+           TO_INT8=to_int8, BLOCK_K=max(16, triton.next_power_of_2(K)),
+           num_warps=4 if K <= 1024 else 8 if K <= 4096 else 16, plan_key=plan_key)
+
+
+def _fake(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+          fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check(x, "layer_norm_quantize_rows")
+    K = x.shape[-1]
+    if not 0 < K <= MAX_K:
+        raise ValueError(f"layer_norm_quantize_rows normalizes rows of 1 to {MAX_K} values, got {K}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != (K,) or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"layer_norm_quantize_rows: {name} must be ({K},) {x.dtype} on {x.device} as x, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    q = torch.empty(x.shape, dtype=FP8_DTYPE if fp8 else torch.int8, device=x.device)
+    return q, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+
+
+def _op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+        fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _fake(x, weight, bias, eps, fp8)
+    if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
+        return _torch_rowwise(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), fp8)
+    _layer_norm_quantize(_rows(x), weight, bias, eps, q.view(-1, x.shape[-1]), scale.view(-1))
+    return q, scale
+
+
+register_op("fuselab::layer_norm_quantize_rows", fake=_fake)(_op)
+
+
+def layer_norm_quantize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                             eps: float, fp8: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of ``F.layer_norm(x, (K,), weight, bias, eps)`` quantized per row (``quantize_int8_rowwise``,
+    or ``quantize_fp8_rowwise`` with ``fp8``) in one pass; ``weight``/``bias`` (K,) of x's dtype and device, or
+    None; K up to MAX_K. Not differentiable."""
+    return call_untraced(torch.ops.fuselab.layer_norm_quantize_rows, _op, x.detach(),
+                         None if weight is None else weight.detach(), None if bias is None else bias.detach(),
+                         float(eps), fp8)
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantized activations and the module
+# ----------------------------------------------------------------------------------------------
+
+
+class QuantizedRows(torch.Tensor):
+    """A ``QuantizedLayerNorm``'s output: shape and dtype of the norm's values, holding only their rows quantized
+    (``qdata``: int8 or float8_e4m3fn, same shape) with one fp32 scale each (``scale``, shape[:-1]). Fuselab's dynamic
+    quantized linears take it as their quantized input; any other op raises (there are no float values to give)."""
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype, device=qdata.device)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.qdata, self.scale = qdata, scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops reach __torch_dispatch__: no Python cost
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # RuntimeError: torch turns a TypeError from a binary operator (rows + 1) into its own "unsupported operand"
+        raise RuntimeError(f"{func} on the output of a QuantizedLayerNorm (fuselab.quant, quantize_ with "
+                        "fuse_norms=True): it holds quantized rows that only fuselab's dynamic quantized linears read; "
+                        "this model uses the norm's output otherwise: quantize it with fuse_norms=False")
+
+    def __repr__(self) -> str:
+        return (f"QuantizedRows(shape={tuple(self.shape)}, {self.qdata.dtype} rows standing for {self.dtype}, "
+                f"device={self.device})")
+
+    def unwrap(self, fp8: bool, layer: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(qdata, scale)`` for a quantized linear of ``fp8`` (else int8) inputs, or TypeError naming ``layer``."""
+        if (self.qdata.dtype == FP8_DTYPE) != fp8:
+            raise TypeError(f"{layer} takes {'fp8' if fp8 else 'int8'} activations, got {self.qdata.dtype} rows from a "
+                            "QuantizedLayerNorm")
+        return self.qdata, self.scale
+
+
+def why_not_fused_norm(norm: nn.Module) -> Optional[str]:
+    """Why ``QuantizedLayerNorm`` cannot compute ``norm`` (None: it can)."""
+    if type(norm) is not nn.LayerNorm:
+        return f"a {type(norm).__name__}, not exactly an nn.LayerNorm"
+    if len(norm.normalized_shape) != 1 or not 0 < norm.normalized_shape[0] <= MAX_K:
+        return f"normalizes {tuple(norm.normalized_shape)}: the fused kernel takes the last dimension, 1 to {MAX_K}"
+    return None
+
+
+class QuantizedLayerNorm(nn.Module):
+    """``nn.LayerNorm`` over the last dimension whose output is its rows quantized (int8, or fp8 with ``fp8``),
+    for quantized linears to read (see the module's docstring); its ``weight`` and ``bias`` are the float norm's
+    (the same state-dict keys). Inference only: where the fused form cannot serve a call it returns the float
+    norm's output."""
+
+    def __init__(self, norm: nn.LayerNorm, fp8: bool = False):
+        super().__init__()
+        why = why_not_fused_norm(norm)
+        if why is not None:
+            raise ValueError(f"QuantizedLayerNorm of {norm}: {why}")
+        self.normalized_shape, self.eps, self.fp8 = tuple(norm.normalized_shape), norm.eps, fp8
+        self.weight, self.bias = norm.weight, norm.bias
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.LayerNorm's argument name
+        x = input
+        if self._fused_applies(x):
+            return QuantizedRows(*layer_norm_quantize_rows(x, self.weight, self.bias, self.eps, self.fp8), x.dtype)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def _fused_applies(self, x: torch.Tensor) -> bool:
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return False  # the float norm: the quantized linears after it then refuse a backward themselves
+        if is_tracing() or in_dual_level() or x.device.type not in ("cpu", "cuda") or torch.is_autocast_enabled(
+                x.device.type):
+            return False
+        return (x.dim() > 0 and x.shape[-1] == self.normalized_shape[0]
+                and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                and all(p.dtype == x.dtype and p.device == x.device for p in params))
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}, "
+                f"rows={'fp8' if self.fp8 else 'int8'}")

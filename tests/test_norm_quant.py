@@ -1,0 +1,196 @@
+"""A LayerNorm whose rows come out quantized (fuselab.quant.norm_quant) and ``quantize_``'s ``fuse_norms``: the
+kernel against a float64 layer norm within its rounding, PyTorch's path bit for bit the unfused layers', the rows
+refused everywhere but in a quantized linear, and decoders that compute what their unfused quantized form does."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fuselab.nn import fuse_linear_relu
+from fuselab.quant import (
+    Float8Linear,
+    Float8RowwiseConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    norm_quant,
+    quantize_,
+)
+from fuselab.quant.norm_quant import MAX_K, QuantizedLayerNorm, QuantizedRows, layer_norm_quantize_rows
+from fuselab.quant.rowwise import FP8_MAX, _torch_rowwise
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rows(K, dtype, device, rows=6):
+    x = (torch.randn(2, rows // 2, K, device=device) * 2 + 3).to(dtype)  # an offset: the mean matters
+    w = (torch.rand(K, device=device) + 0.5).to(dtype)
+    b = torch.randn(K, device=device).to(dtype) * 0.1
+    return x, w, b
+
+
+def _ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at |v| (float64; normal numbers)."""
+    return torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(v.abs().clamp(min=1e-30))))
+
+
+def _bound(y64: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fp8: bool) -> torch.Tensor:
+    """|q * scale - y64| allowed: the fp32 layer norm (sums of K terms: ~1e-5 here), its rounding to ``dtype``
+    (half an ulp), then the quantization's own rounding (half a step: 1 for int8, e4m3's ulp for fp8)."""
+    s = scale.double()[..., None]
+    if fp8:
+        v = (y64 / s).abs()
+        step = torch.exp2(torch.floor(torch.log2(v.clamp(min=1e-30))).clamp(min=-6) - 3) * s
+    else:
+        step = s
+    return 0.5 * step * (1 + 1e-6) + 0.51 * _ulp(y64, dtype) + 1e-5 * (y64.abs() + 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+@pytest.mark.parametrize("K,affine", [(48, True), (1000, True), (3000, False), (MAX_K, True)],
+                         ids=["48", "1000", "3000-plain", "max"])
+def test_kernel_against_a_float64_layer_norm(device, dtype, fp8, K, affine):
+    x, w, b = _rows(K, dtype, device)
+    w, b = (w, b) if affine else (None, None)
+    q, scale = layer_norm_quantize_rows(x, w, b, 1e-5, fp8)
+    assert q.shape == x.shape and q.dtype == (torch.float8_e4m3fn if fp8 else torch.int8) and scale.shape == (2, 3)
+    y64 = F.layer_norm(x.double(), (K,), None if w is None else w.double(), None if b is None else b.double(), 1e-5)
+    qmax = FP8_MAX if fp8 else 127
+    amax = y64.abs().amax(-1)
+    assert ((scale.double() - amax / qmax).abs() <= (0.51 * _ulp(amax, dtype) + 1e-5 * amax) / qmax).all()
+    err = (q.double() * scale.double()[..., None] - y64).abs()
+    assert (err <= _bound(y64, scale, dtype, fp8)).all(), (err / _bound(y64, scale, dtype, fp8)).max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
+def test_kernel_gives_the_unfused_bits_but_where_the_norms_last_bit_decides(dtype, fp8):
+    # against F.layer_norm then quantize_rows (the unfused layers): the fp32 norm may differ from PyTorch's in
+    # the last bit of the dtype, so a value may move one step where that bit decided its rounding; rarely
+    x, w, b = _rows(768, dtype, "cpu", rows=64)
+    q, scale = layer_norm_quantize_rows(x, w, b, 1e-5, fp8)
+    q_ref, scale_ref = _torch_rowwise(F.layer_norm(x, (768,), w, b, 1e-5), fp8)
+    same = q.view(torch.int8) == q_ref.view(torch.int8)
+    assert same.float().mean() > 0.99, same.float().mean()
+    if not fp8:
+        assert (q.int() - q_ref.int()).abs().max() <= 1
+    assert torch.allclose(scale, scale_ref, rtol=max(2 * torch.finfo(dtype).eps, 1e-5), atol=0)
+
+
+def test_pytorchs_path_is_the_unfused_layers_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(norm_quant, "_runs_triton", lambda x: False)
+    for fp8 in (False, True):
+        x, w, b = _rows(300, torch.bfloat16, "cpu")
+        q, scale = layer_norm_quantize_rows(x, w, b, 1e-5, fp8)
+        q_ref, scale_ref = _torch_rowwise(F.layer_norm(x, (300,), w, b, 1e-5), fp8)
+        assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8)) and torch.equal(scale, scale_ref)
+
+
+def test_rows_of_nan_get_a_nan_scale_and_the_op_checks_its_inputs():
+    x, w, b = _rows(64, torch.float32, "cpu")
+    x[0, 1, 3] = float("nan")
+    _, scale = layer_norm_quantize_rows(x, w, b, 1e-5)
+    assert torch.isnan(scale[0, 1]) and torch.isfinite(scale[1]).all()
+    with pytest.raises(ValueError, match="rows of 1 to 16384 values, got 0"):
+        layer_norm_quantize_rows(torch.ones(2, 0), None, None, 1e-5)
+    with pytest.raises(ValueError, match="weight must be \\(64,\\) torch.float32"):
+        layer_norm_quantize_rows(x, w[:10], b, 1e-5)
+    with pytest.raises(ValueError, match="bias must be \\(64,\\) torch.float32"):
+        layer_norm_quantize_rows(x, w, b.half(), 1e-5)
+    torch.library.opcheck(torch.ops.fuselab.layer_norm_quantize_rows, (x.nan_to_num(), w, b, 1e-5, False),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_quantized_rows_are_refused_by_everything_but_a_quantized_linear():
+    norm = nn.LayerNorm(16)
+    with torch.no_grad():
+        rows = QuantizedLayerNorm(norm)(torch.randn(3, 5, 16))
+    assert isinstance(rows, QuantizedRows) and rows.shape == (3, 5, 16) and rows.dtype == torch.float32
+    assert rows.size(-1) == 16 and rows.dim() == 3 and "int8 rows standing for torch.float32" in repr(rows)
+    for use in (lambda r: r + 1, lambda r: r.view(15, 16), lambda r: torch.relu(r), lambda r: r.half(),
+                lambda r: F.linear(r, torch.ones(4, 16)), lambda r: r.sum(), lambda r: nn.Linear(16, 4)(r)):
+        with pytest.raises(RuntimeError, match="output of a QuantizedLayerNorm .* fuse_norms=False"):
+            use(rows)
+    with pytest.raises(TypeError, match="Float8Linear takes fp8 activations, got torch.int8 rows"):
+        Float8Linear.from_float(nn.Linear(16, 4))(rows)  # an int8 norm's rows: named, not read as fp8 bytes
+
+
+def _opt(pre_ln=True, layers=2):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    return OPTForCausalLM(OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=layers, num_attention_heads=2,
+                                    vocab_size=100, word_embed_proj_dim=32, max_position_embeddings=64,
+                                    do_layer_norm_before=pre_ln, activation_function="relu")).eval()
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64)).eval()
+
+
+@pytest.mark.parametrize("config", [Int8DynamicActivationInt8WeightConfig, Float8RowwiseConfig], ids=["int8", "fp8"])
+@pytest.mark.parametrize("arch", ["opt", "gpt2"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_a_decoder_with_fused_norms_computes_its_unfused_quantized_form(config, arch, kernel, monkeypatch):
+    if not kernel:
+        monkeypatch.setattr(norm_quant, "_runs_triton", lambda x: False)
+    model = fuse_linear_relu(_opt())[0] if arch == "opt" else _gpt2()
+    unfused, fused = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_(unfused, config())
+    report = quantize_(fused, config(fuse_norms=True))
+    norms = {"opt": ["self_attn_layer_norm", "final_layer_norm"], "gpt2": ["ln_1", "ln_2"]}[arch]
+    prefix = {"opt": "model.decoder.layers", "gpt2": "transformer.h"}[arch]
+    names = [f"{prefix}.{i}.{n}" for i in range(2) for n in norms]
+    assert all(report.replaced[n].startswith("QuantizedLayerNorm") for n in names), str(report)
+    assert all(isinstance(fused.get_submodule(n), QuantizedLayerNorm) for n in names)
+    assert fused.state_dict().keys() == unfused.state_dict().keys()
+    ids = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        out, ref = fused(ids).logits, unfused(ids).logits
+    if kernel:  # the fused norm's last bit may move a value one step: a few 1e-3 of the logits at most
+        assert (out - ref).abs().max() <= 1e-2 * ref.abs().max(), (out - ref).abs().max()
+    else:
+        assert torch.equal(out, ref)
+    # gradients on (parameters requiring grad, no no_grad): the float norm serves, the same values
+    assert torch.allclose(fused(ids).logits, out, rtol=0, atol=1e-2 * ref.abs().max().item())
+    # a second quantize_ leaves them, saying so
+    again = quantize_(fused, config(fuse_norms=True))
+    assert "already a QuantizedLayerNorm" in again.skipped[names[0]]
+
+
+def test_norms_that_others_read_or_that_readers_do_not_match_stay_float():
+    post = _opt(pre_ln=False, layers=1)
+    report = quantize_(post, Int8DynamicActivationInt8WeightConfig(fuse_norms=True))
+    assert "adds this norm's output to the residual too" in report.skipped["model.decoder.layers.0.final_layer_norm"]
+    assert type(post.model.decoder.layers[0].final_layer_norm) is nn.LayerNorm
+    model = _opt(layers=1)
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig(fuse_norms=True),
+                       filter_fn=lambda name, layer: not name.endswith("k_proj"))
+    why = report.skipped["model.decoder.layers.0.self_attn_layer_norm"]
+    assert "self_attn.k_proj not a dynamic Int8Linear" in why
+    assert isinstance(model.model.decoder.layers[0].final_layer_norm, QuantizedLayerNorm)  # fc1 is one
+    plain = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4))
+    report = quantize_(plain, Int8DynamicActivationInt8WeightConfig(fuse_norms=True))
+    assert "no decoder layer it knows" in report.skipped["fuse_norms"] and type(plain[0]) is nn.LayerNorm
+    with pytest.raises(TypeError, match="fuse_norms must be True or False"):
+        Int8DynamicActivationInt8WeightConfig(fuse_norms="yes")
+
+
+def test_fused_norms_compile_and_trace_as_the_unfused_layers():
+    # traced, the norm is the float one and each linear quantizes its input: the graph holds fuselab's ops only
+    model = fuse_linear_relu(_opt(layers=1))[0]
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(fuse_norms=True))
+    ids = torch.randint(0, 100, (1, 8))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+    assert torch.allclose(compiled, eager, rtol=0, atol=1e-2 * eager.abs().max().item())
+    assert math.isfinite(compiled.abs().max().item())

@@ -342,3 +342,32 @@ def test_at_alpha_0_the_teacher_is_not_in_the_graph(device, fused):
     s.requires_grad_()
     DistillationLoss(2.0, 0.0, fused=fused)(s, t, y).backward()
     assert t.grad is None and s.grad.isfinite().all()
+
+
+def test_fused_loss_with_student_and_teacher_of_different_row_strides():
+    # FD5: the loss kernel must read the teacher through its own row stride. Not .clone() of a slice:
+    # clone() of a non-dense slice is contiguous (check() in test_fused_distill.py does that).
+    torch.manual_seed(0)
+    s_base, t_base = torch.randn(4, 20) * 3, torch.randn(4, 48) * 3
+    y = torch.randint(0, 20, (4,))
+    for alpha in (0.5, 1.0):
+        grads = []
+        for fused in (True, False):
+            sb, tb = s_base.clone().requires_grad_(), t_base.clone().requires_grad_()
+            s, t = sb, tb[:, 5:25]  # row strides 20 and 48, the teacher at an offset
+            assert fused is False or t.stride() == (48, 1)
+            loss = DistillationLoss(2.0, alpha, fused=fused)(s, t, y)
+            loss.backward()
+            grads.append((loss.detach(), sb.grad, tb.grad))
+        for f, r in zip(*grads):
+            torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_target_out_of_range_makes_its_rows_student_gradient_nan():
+    # FD10: the grad kernel's _bad_target term: the docstring promises the row's student gradient is NaN too.
+    torch.manual_seed(0)
+    s, t = torch.randn(3, 8).requires_grad_(), torch.randn(3, 8)
+    y = torch.tensor([1, 8, -100])
+    DistillationLoss(2.0, 0.5, fused=True)(s, t, y).backward()
+    assert s.grad[1].isnan().all()
+    assert s.grad[[0, 2]].isfinite().all()

@@ -1530,3 +1530,54 @@ def test_a_quantized_model_infers_shapes_on_meta_and_keeps_a_bias_it_can_use():
     assert meta(torch.randn(2, 5, 8, device="meta")).shape == (2, 5, 4)
     model.double()  # the bias stays in a dtype the epilogue takes
     assert model[0].bias.dtype == torch.float32 and model(torch.randn(3, 8)).dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# What a mutation audit found no test for (a deliberately broken epilogue passed every test)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_scaled_gemm_relu_propagates_nan(kind):
+    # SG2: a NaN in the epilogue (here a NaN row scale) must stay NaN through the fused ReLU, as torch.relu.
+    M, K, N = 3, 16, 5
+    if kind == "int8":
+        a = torch.randint(-127, 128, (M, K), dtype=torch.int8)
+        b = torch.randint(-127, 128, (K, N), dtype=torch.int8)
+        mm = int8_matmul
+    else:
+        a, b = torch.randn(M, K).to(torch.float8_e4m3fn), torch.randn(K, N).to(torch.float8_e4m3fn)
+        mm = fp8_matmul
+    a_scale = torch.rand(M) + 0.1
+    a_scale[1] = float("nan")
+    b_scale = torch.rand(N) + 0.1
+    out = mm(a, b, a_scale, b_scale, None, True, torch.float32, backend="triton")
+    ref = mm(a, b, a_scale, b_scale, None, True, torch.float32, backend="torch")
+    assert out[1].isnan().all() and ref[1].isnan().all()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_scaled_gemm_epilogue_has_torchs_bits(kind):
+    # SG4: the kernel's epilogue runs torch_epilogue's fp32 operations in its order: the same bits.
+    M, K, N = 33, 40, 20
+    if kind == "int8":
+        (a, a_scale), (w, b_scale) = quantize_int8_rowwise(torch.randn(M, K)), quantize_int8_rowwise(torch.randn(N, K))
+        mm = int8_matmul
+    else:
+        (a, a_scale), (w, b_scale) = quantize_fp8_rowwise(torch.randn(M, K)), quantize_fp8_rowwise(torch.randn(N, K))
+        mm = fp8_matmul
+    bias = torch.randn(N)
+    out = mm(a, w.t(), a_scale, b_scale, bias, True, torch.float32, backend="triton")
+    ref = mm(a, w.t(), a_scale, b_scale, bias, True, torch.float32, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_int8_raw_accumulators_past_2_to_24_are_exact_in_the_kernel():
+    # SG5: |acc| > 2**24 (not exact in fp32) through the Triton kernel, not only the torch path.
+    K = 1100
+    a = torch.full((2, K), 127, dtype=torch.int8)
+    b = torch.full((K, 3), 127, dtype=torch.int8)
+    b[0, :] = 2  # 1099 * 16129 + 254: odd, above 2**24
+    acc = int8_matmul(a, b, None, None, backend="triton")
+    assert acc.dtype == torch.int32
+    assert torch.equal(acc.long(), a.long() @ b.long())

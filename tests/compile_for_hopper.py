@@ -161,7 +161,8 @@ def group_rowwise():
             yield f"quantize_rows fp8={fp8} static={static} K={K}", launch, launch.config, {}
     from fuselab.quant import norm_quant  # the layer norm that quantizes its rows: affine or not, each width class
 
-    for fp8, affine, K in ((False, True, 2048), (True, True, 2048), (False, False, 768), (False, True, 9216)):
+    for fp8, affine, K in ((False, True, 2048), (True, True, 2048), (False, False, 768), (False, True, 9216),
+                           (False, True, 1)):  # K = 1: Triton makes it a constexpr
         x, w = torch.empty(64, K, dtype=torch.bfloat16), torch.empty(K, dtype=torch.bfloat16) if affine else None
         q = torch.empty(64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
         for launch in record_plain(norm_quant, lambda: norm_quant._layer_norm_quantize(x, w, w, 1e-5, q,

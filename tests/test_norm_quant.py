@@ -51,8 +51,8 @@ def _bound(y64: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fp8: bool
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
-@pytest.mark.parametrize("K,affine", [(48, True), (1000, True), (3000, False), (MAX_K, True)],
-                         ids=["48", "1000", "3000-plain", "max"])
+@pytest.mark.parametrize("K,affine", [(1, True), (48, True), (1000, True), (3000, False), (MAX_K, True)],
+                         ids=["1", "48", "1000", "3000-plain", "max"])
 def test_kernel_against_a_float64_layer_norm(device, dtype, fp8, K, affine):
     x, w, b = _rows(K, dtype, device)
     w, b = (w, b) if affine else (None, None)

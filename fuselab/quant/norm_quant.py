@@ -68,9 +68,10 @@ def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, st
     offs = tl.arange(0, BLOCK_K)
     inside = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=inside, other=0.0).to(tl.float32)
-    mean = tl.math.div_rn(tl.sum(x, axis=0), K.to(tl.float32))
+    n = tl.sum(inside.to(tl.float32), axis=0)  # K as fp32 (a K of 1 is a constexpr where Triton specializes it)
+    mean = tl.math.div_rn(tl.sum(x, axis=0), n)
     centered = tl.where(inside, x - mean, 0.0)
-    var = tl.math.div_rn(tl.sum(centered * centered, axis=0), K.to(tl.float32))
+    var = tl.math.div_rn(tl.sum(centered * centered, axis=0), n)
     y = centered * tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     if HAS_W:
         y = y * tl.load(w_ptr + offs, mask=inside, other=0.0).to(tl.float32)

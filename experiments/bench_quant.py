@@ -362,7 +362,8 @@ def quantized_model(stock: torch.nn.Module, config) -> Tuple[torch.nn.Module, di
     report = quantize_(model, config)
     if not report.replaced:
         raise RuntimeError(f"quantize_ replaced no layer:\n{report}")
-    return model, dict(info, quantized_layers=len(report.replaced), skipped_layers=len(report.skipped))
+    return model, dict(info, quantized_layers=len(report.replaced), skipped_layers=len(report.skipped),
+                       **({"fused_norms": len(report.norms)} if report.norms else {}))
 
 
 @PREFILL.register("int8 dynamic")

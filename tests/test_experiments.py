@@ -827,7 +827,7 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     assert {r["mode"] for r in rows} == {"wall"}
     assert res.value(op="prefill", provider="int8 dynamic", metric="ms", stat="p50") == 2.0
     assert rows[1]["quantized_layers"] == 2 * 6 + 1  # q, k, v, out, fc1, fc2 per layer, and lm_head
-    assert rows[2]["quantized_layers"] == 2 * 8 + 1  # and each layer's two norms
+    assert rows[2]["quantized_layers"] == 2 * 6 + 1 and rows[2]["fused_norms"] == 2 * 2  # and each layer's norms
     assert res.value(op="prefill", provider="int8 fused norms", metric="rel err") < 0.1
     assert res.value(op="prefill", provider="int8 dynamic", metric="rel err") < 0.1
     page = report.render_study(res)

@@ -14,6 +14,7 @@ from fuselab.quant import (
     Float8Linear,
     Float8RowwiseConfig,
     Int8DynamicActivationInt8WeightConfig,
+    Int8Linear,
     norm_quant,
     quantize_,
 )
@@ -79,6 +80,16 @@ def test_kernel_gives_the_unfused_bits_but_where_the_norms_last_bit_decides(dtyp
     if not fp8:
         assert (q.int() - q_ref.int()).abs().max() <= 1
     assert torch.allclose(scale, scale_ref, rtol=max(2 * torch.finfo(dtype).eps, 1e-5), atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_weight_and_bias_are_read_through_their_strides(device):
+    # columns of one stacked tensor (a state dict loaded with assign=True): the kernel read them as unit stride
+    x, w, b = _rows(64, torch.float32, device)
+    stacked = torch.stack([w, b, w * 2], dim=1)  # (64, 3): each column has stride 3
+    got = layer_norm_quantize_rows(x, stacked[:, 0], stacked[:, 1], 1e-5)
+    want = layer_norm_quantize_rows(x, w, b, 1e-5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_pytorchs_path_is_the_unfused_layers_bit_for_bit(monkeypatch):
@@ -148,7 +159,8 @@ def test_a_decoder_with_fused_norms_computes_its_unfused_quantized_form(config, 
     norms = {"opt": ["self_attn_layer_norm", "final_layer_norm"], "gpt2": ["ln_1", "ln_2"]}[arch]
     prefix = {"opt": "model.decoder.layers", "gpt2": "transformer.h"}[arch]
     names = [f"{prefix}.{i}.{n}" for i in range(2) for n in norms]
-    assert all(report.replaced[n].startswith("QuantizedLayerNorm") for n in names), str(report)
+    assert all(report.norms[n].startswith("QuantizedLayerNorm") for n in names), str(report)
+    assert not any(n in report.replaced for n in names) and f"fused {len(names)} norm(s), left 0" in str(report)
     assert all(isinstance(fused.get_submodule(n), QuantizedLayerNorm) for n in names)
     assert fused.state_dict().keys() == unfused.state_dict().keys()
     ids = torch.randint(0, 100, (2, 12))
@@ -162,23 +174,31 @@ def test_a_decoder_with_fused_norms_computes_its_unfused_quantized_form(config, 
     assert torch.allclose(fused(ids).logits, out, rtol=0, atol=1e-2 * ref.abs().max().item())
     # a second quantize_ leaves them, saying so
     again = quantize_(fused, config(fuse_norms=True))
-    assert "already a QuantizedLayerNorm" in again.skipped[names[0]]
+    assert "already a QuantizedLayerNorm" in again.norms_skipped[names[0]]
 
 
 def test_norms_that_others_read_or_that_readers_do_not_match_stay_float():
     post = _opt(pre_ln=False, layers=1)
     report = quantize_(post, Int8DynamicActivationInt8WeightConfig(fuse_norms=True))
-    assert "adds this norm's output to the residual too" in report.skipped["model.decoder.layers.0.final_layer_norm"]
+    assert "adds this norm's output to the residual too" in report.norms_skipped[
+        "model.decoder.layers.0.final_layer_norm"]
     assert type(post.model.decoder.layers[0].final_layer_norm) is nn.LayerNorm
     model = _opt(layers=1)
     report = quantize_(model, Int8DynamicActivationInt8WeightConfig(fuse_norms=True),
                        filter_fn=lambda name, layer: not name.endswith("k_proj"))
-    why = report.skipped["model.decoder.layers.0.self_attn_layer_norm"]
+    why = report.norms_skipped["model.decoder.layers.0.self_attn_layer_norm"]
     assert "self_attn.k_proj not a dynamic Int8Linear" in why
     assert isinstance(model.model.decoder.layers[0].final_layer_norm, QuantizedLayerNorm)  # fc1 is one
     plain = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4))
     report = quantize_(plain, Int8DynamicActivationInt8WeightConfig(fuse_norms=True))
-    assert "no decoder layer it knows" in report.skipped["fuse_norms"] and type(plain[0]) is nn.LayerNorm
+    assert "no decoder layer it knows" in report.notes[0] and type(plain[0]) is nn.LayerNorm
+    assert "fuse_norms: no decoder layer it knows" in str(report) and "fuse_norms" not in report.skipped
+    # a filter_fn for linears that the norms break: raised before anything changed (linears were swapped first)
+    model = _opt(layers=1)
+    with pytest.raises(AttributeError, match="out_features"):
+        quantize_(model, Int8DynamicActivationInt8WeightConfig(fuse_norms=True),
+                  filter_fn=lambda name, layer: layer.out_features >= 16)
+    assert not any(isinstance(m, (QuantizedLayerNorm, Int8Linear)) for m in model.modules())
     with pytest.raises(TypeError, match="fuse_norms must be True or False"):
         Int8DynamicActivationInt8WeightConfig(fuse_norms="yes")
 
@@ -194,3 +214,9 @@ def test_fused_norms_compile_and_trace_as_the_unfused_layers():
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
     assert torch.allclose(compiled, eager, rtol=0, atol=1e-2 * eager.abs().max().item())
     assert math.isfinite(compiled.abs().max().item())
+    # torch.jit.trace: the float norm too (traced rows baked OPT's (batch, seq) into the graph as constants)
+    norm = model.model.decoder.layers[0].self_attn_layer_norm
+    with torch.no_grad():
+        traced = torch.jit.trace(norm, torch.randn(2, 7, 32), check_trace=False)  # eager: QuantizedRows
+        x = torch.randn(3, 4, 32)
+        assert torch.equal(traced(x), F.layer_norm(x, (32,), norm.weight, norm.bias, norm.eps))

@@ -17,7 +17,7 @@ row's values can differ from PyTorch's kernel in the last bit of the model's dty
 step where that bit decides its rounding. PyTorch's path (a CPU without the interpreter) is ``F.layer_norm`` then
 ``quantize_rows``' arithmetic, the unfused layers' exactly. Where the fused form cannot serve a call (gradients
 wanted, autocast, a traced or compiled call, forward-mode AD, another dtype for the norm's parameters), the
-module returns ``F.layer_norm``'s output and the linears quantize it themselves.
+module returns ``F.layer_norm``'s output and the linears quantize it themselves (torch.jit.trace too).
 """
 from typing import Optional, Tuple
 
@@ -127,6 +127,7 @@ def _op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Te
     q, scale = _fake(x, weight, bias, eps, fp8)
     if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
         return _torch_rowwise(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), fp8)
+    weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))  # the kernel reads unit strides
     _layer_norm_quantize(_rows(x), weight, bias, eps, q.view(-1, x.shape[-1]), scale.view(-1))
     return q, scale
 
@@ -168,7 +169,7 @@ class QuantizedRows(torch.Tensor):
         # RuntimeError: torch turns a TypeError from a binary operator (rows + 1) into its own "unsupported operand"
         raise RuntimeError(f"{func} on the output of a QuantizedLayerNorm (fuselab.quant, quantize_ with "
                         "fuse_norms=True): it holds quantized rows that only fuselab's dynamic quantized linears read; "
-                        "this model uses the norm's output otherwise: quantize it with fuse_norms=False")
+                        "the model, or a hook, uses the norm's output otherwise: quantize with fuse_norms=False")
 
     def __repr__(self) -> str:
         return (f"QuantizedRows(shape={tuple(self.shape)}, {self.qdata.dtype} rows standing for {self.dtype}, "
@@ -215,9 +216,9 @@ class QuantizedLayerNorm(nn.Module):
         params = [p for p in (self.weight, self.bias) if p is not None]
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return False  # the float norm: the quantized linears after it then refuse a backward themselves
-        if is_tracing() or in_dual_level() or x.device.type not in ("cpu", "cuda") or torch.is_autocast_enabled(
-                x.device.type):
-            return False
+        if (is_tracing() or torch.jit.is_tracing() or in_dual_level() or x.device.type not in ("cpu", "cuda")
+                or torch.is_autocast_enabled(x.device.type)):
+            return False  # jit.trace too: it would record the rows' sizes as constants where a model reads them
         return (x.dim() > 0 and x.shape[-1] == self.normalized_shape[0]
                 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
                 and all(p.dtype == x.dtype and p.device == x.device for p in params))

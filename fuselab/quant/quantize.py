@@ -249,23 +249,32 @@ class QuantizationReport:
     """What ``quantize_`` did: layers ``replaced`` (name -> what it became), layers ``skipped`` (name
     -> why it was left alone) and, with calibration data, each replaced layer's relative error
     against its float layer on that data, ``||y_q - y|| / ||y||`` over the sample (``errors``; calibration
-    samples lie inside the calibrated range: a static scale's clipping of larger inputs does not show there)."""
+    samples lie inside the calibrated range: a static scale's clipping of larger inputs does not show there).
+    With ``fuse_norms``: the norms fused (``norms``) and left (``norms_skipped``), by name."""
 
     config: Any
     replaced: Dict[str, str] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)
     errors: Dict[str, float] = field(default_factory=dict)
     unused_scales: List[str] = field(default_factory=list)  # a static config's scales named after no layer here
+    norms: Dict[str, str] = field(default_factory=dict)
+    norms_skipped: Dict[str, str] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"quantized {len(self.replaced)} layer(s) with {type(self.config).__name__}; "
-                 f"left {len(self.skipped)} alone"]
+                 f"left {len(self.skipped)} alone"
+                 + (f"; fused {len(self.norms)} norm(s), left {len(self.norms_skipped)}"
+                    if self.norms or self.norms_skipped else "")]
         for name, what in self.replaced.items():
             error = f"  relative error {self.errors[name]:.2e}" if name in self.errors else ""
             lines.append(f"  replaced {name!r}: {what}{error}")  # quoted, as FusionReport's names
         lines += [f"  skipped  {name!r}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  fused norm {name!r}: {what}" for name, what in self.norms.items()]
+        lines += [f"  norm left  {name!r}: {why}" for name, why in self.norms_skipped.items()]
         if self.unused_scales:
             lines.append(f"  unused act_scales (no layer of these names): {self.unused_scales}")
+        lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -381,7 +390,7 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     A Linear followed by a separate ReLU keeps the ReLU outside the GEMM: ``fuse_linear_relu`` first
     makes such pairs FusedLinearReLU, which this fuses into the epilogue. A config's ``fuse_norms=True``
     also makes the norms of known decoder layers whose readers are all quantized ``QuantizedLayerNorm``
-    (``_fuse_norms``). A layer shared by several
+    (``_plan_norms``; ``filter_fn`` sees those norms too, and may veto them). A layer shared by several
     parents is replaced everywhere by one quantized layer. Returns the report (layers already
     quantized are listed as left alone); raises TypeError for an unknown config type, a config class
     passed for an instance and a ``calibration`` that is not a Calibration, ValueError for a calibration
@@ -435,14 +444,20 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
         sample = calibration.samples.get(name) if calibration is not None else None
         error = None if sample is None else _calibration_error(name, layer, quantized, sample)
         converted.append((name, parents, quantized, what, error))
+    norms = []
+    if getattr(config, "fuse_norms", False):  # planned too before anything changes: filter_fn may raise there
+        becomes = {id(layer): quantized for (_, layer, _), (_, _, quantized, _, _) in zip(planned, converted)}
+        norms = _plan_norms(model, isinstance(config, Float8RowwiseConfig), becomes, filter_fn, report)
     for name, parents, quantized, what, error in converted:
         for parent, key in parents:
             setattr(parent, key, quantized)
         report.replaced[name] = what
         if error is not None:
             report.errors[name] = error
-    if getattr(config, "fuse_norms", False):
-        _fuse_norms(model, isinstance(config, Float8RowwiseConfig), filter_fn, report)
+    for layer, key, name, fused, paths in norms:
+        setattr(layer, key, fused)
+        report.norms[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fused.fp8 else 'int8'} once, "
+                              f"for {', '.join(paths)})")
     return report
 
 
@@ -456,13 +471,15 @@ _NORM_READERS: Dict[str, Tuple[Callable[[nn.Module], bool], Dict[str, Tuple[str,
 }
 
 
-def _fuse_norms(model: nn.Module, fp8: bool, filter_fn, report: QuantizationReport) -> None:
-    """``fuse_norms``: each known decoder layer's norm whose readers are all dynamic quantized linears of this
-    config becomes a ``QuantizedLayerNorm`` (the report says which, and why any other is left)."""
+def _plan_norms(model: nn.Module, fp8: bool, becomes: Dict[int, nn.Module], filter_fn,
+                report: QuantizationReport) -> list:
+    """``fuse_norms``: the (layer, key, name, QuantizedLayerNorm, reader paths) of each known decoder layer's norm
+    whose readers will all be dynamic quantized linears of this config (``becomes``: id of a layer -> what this call
+    replaces it with); the report's ``norms_skipped`` says why any other is left."""
     reader_type = Float8Linear if fp8 else Int8Linear
-    holders: Dict[int, int] = {}
+    paths_to: Dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
-        holders[id(m)] = holders.get(id(m), 0) + 1
+        paths_to[id(m)] = paths_to.get(id(m), 0) + 1
     planned, known = [], False
     for layer_name, layer in model.named_modules():
         readers = _NORM_READERS.get(type(layer).__name__)
@@ -479,27 +496,25 @@ def _fuse_norms(model: nn.Module, fp8: bool, filter_fn, report: QuantizationRepo
                 why = f"{type(layer).__name__} adds this norm's output to the residual too (the norm comes after)"
             else:
                 why = why_not_fused_norm(norm) or why_not_swapped(norm)
-            if why is None and holders.get(id(norm), 0) > 1:
-                why = "held by several modules"
+            if why is None and paths_to.get(id(norm), 0) > 1:
+                why = "reached by several paths in the model (a shared norm, or a shared layer holding it)"
             if why is None:
-                others = [p for p in paths if not (type(_submodule(layer, p)) is reader_type
-                                                   and getattr(_submodule(layer, p), "act_scale", None) is None)]
+                after = [becomes.get(id(m), m) for m in (_submodule(layer, p) for p in paths)]
+                others = [p for p, m in zip(paths, after)
+                          if not (type(m) is reader_type and getattr(m, "act_scale", None) is None)]
                 if others:
                     why = (f"{', '.join(others)} not a dynamic {reader_type.__name__} (left float, or quantized "
                            "otherwise): only those read quantized rows")
             if why is None and filter_fn is not None and not filter_fn(name, norm):
                 why = "vetoed by filter_fn"
             if why is not None:
-                report.skipped[name] = f"norm not fused: {why}"
+                report.norms_skipped[name] = why
             else:
                 planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8), paths))
-    for layer, key, name, fused, paths in planned:
-        setattr(layer, key, fused)
-        report.replaced[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fp8 else 'int8'} once, for "
-                                 f"{', '.join(paths)})")
     if not known:
-        report.skipped["fuse_norms"] = ("no decoder layer it knows: fuse_norms fuses the norms of transformers' "
-                                        f"{' and '.join(_NORM_READERS)} (OPT's where the norm comes first)")
+        report.notes.append("fuse_norms: no decoder layer it knows (it fuses the norms of transformers' "
+                            f"{' and '.join(_NORM_READERS)}; OPT's where the norm comes first)")
+    return planned
 
 
 def _submodule(module: nn.Module, path: str) -> Optional[nn.Module]:

@@ -1,6 +1,7 @@
 """fuselab.nn: FusedLinearReLU, fuse_linear_relu (Sequential, torch.fx, Hugging Face), fused_backend."""
 import copy
 import math
+import random
 from collections import OrderedDict
 
 import pytest
@@ -304,6 +305,37 @@ def test_fused_backend_rewrites_captured_graphs():
     ops = seen[0]
     assert any("linear_relu" in op for op in ops) and any("matmul_relu" in op for op in ops), ops
     assert not any(op.startswith("<built-in method relu") or op.startswith("<function relu") for op in ops), ops
+
+
+class FrozenFeatures(nn.Module):
+    """A product made under no_grad (or autocast), its ReLU outside that region."""
+
+    def __init__(self, autocast: bool):
+        super().__init__()
+        self.fc, self.head, self.autocast = nn.Linear(8, 16), nn.Linear(16, 4), autocast
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else torch.no_grad():
+            h = self.fc(x)
+        return F.relu(h) if self.autocast else self.head(F.relu(h))  # autocast: bf16 out of the region
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["no_grad", "autocast"])
+def test_fused_backend_keeps_a_product_in_its_grad_or_autocast_region(autocast):
+    # the fused call went where the ReLU was: a no_grad feature layer got gradients (an optimizer would train a
+    # frozen layer), an autocast product ran in fp32
+    grads = []
+    for backend in ("aot_eager", fused_backend("aot_eager")):
+        torch.manual_seed(0)
+        model = FrozenFeatures(autocast)
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=backend)(torch.randn(4, 8))
+        out.sum().backward()
+        grads.append((out.detach(), model.fc.weight.grad))
+    (plain, plain_grad), (fused, fused_grad) = grads
+    assert fused.dtype == plain.dtype == (torch.bfloat16 if autocast else torch.float32)
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=0, atol=1e-6 if not autocast else 2e-2)
+    assert (plain_grad is None) == (fused_grad is None) == (not autocast)
 
 
 class Residual(nn.Sequential):
@@ -785,7 +817,31 @@ class _ReadsLeafByName(_ReadsLeafAttribute):
         return F.relu(self.fc(x)) * (1 - getattr(self, "drop").p)
 
 
+class _TestsTheInputsType(_OptionalMask):
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        return h * 2 if isinstance(x, torch.Tensor) else h  # a Proxy while tracing: the other branch frozen
+
+
+class _KeepsAPrivateTemperature(_OptionalMask):
+    def __init__(self):
+        super().__init__()
+        self._temperature = 1.0  # changed later (a schedule): a graph kept 1.0
+
+    def forward(self, x):
+        return F.relu(self.fc(x)) / self._temperature
+
+
+class _DropsWithPythonsRandom(_OptionalMask):
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        # LayerDrop's draw (a probability of 1 here, so that every trace takes one branch): frozen at the traced draw
+        return h if random.random() < 1.0 else h[:, :2]
+
+
 @pytest.mark.parametrize("cls,words", [
+    (_TestsTheInputsType, "tests isinstance(x, ...)"), (_KeepsAPrivateTemperature, "Python attributes (_temperature)"),
+    (_DropsWithPythonsRandom, "reads random from outside"),
     (_Counts, "assigns to ema"), (_OptionalMask, "argument mask does not reach the graph"),
     (_IgnoresArgument, "argument mask does not reach the graph"), (_ReadsGlobal, "reads SCALE from outside"),
     (_ReadsLeafAttribute, "reads drop.p"), (_CallsAndReadsLeaf, "reads drop.p"),
@@ -888,7 +944,33 @@ class _ReachesByName(_ReusesTheReLU):
         return self.seq(x) + getattr(self, "seq")[0](x)
 
 
-@pytest.mark.parametrize("cls", [_KeepsFeatures, _ReusesTheReLU, _CallsItsSequential, _ReachesByName])
+class _ReachesBySubmoduleName(_ReusesTheReLU):
+    def forward(self, x):
+        return self.seq(x) + self.get_submodule("seq.0")(x) + self._modules["seq"][0](x)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class _ReachesThroughItsChild(nn.Module):
+    """A module above the Sequential's parent reads its pre-activation features."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x) + self.block.mlp[0](x)
+
+
+@pytest.mark.parametrize("cls", [_KeepsFeatures, _ReusesTheReLU, _CallsItsSequential, _ReachesByName,
+                                 _ReachesBySubmoduleName, _ReachesThroughItsChild])
 def test_a_parent_that_reaches_into_its_sequential_keeps_its_layers(cls):
     # Module patching fused the Sequential's pair while the parent iterated it (its features[0] got the ReLU)
     # or called its ReLU, by then an Identity. Such a parent's Sequential is left alone (the fx path may
@@ -901,8 +983,11 @@ def test_a_parent_that_reaches_into_its_sequential_keeps_its_layers(cls):
     if cls is _KeepsFeatures:  # the fx path fuses the last pair, whose Linear's output nothing else reads
         assert report.fused == ["body.2"] and "forward uses self.body other than by calling it" in report.skipped[
             "body.0"], str(report)
-    elif cls is _ReachesByName:  # the fx path: the Linear's output is used elsewhere, so nothing is fused
+    elif cls in (_ReachesByName, _ReachesBySubmoduleName):  # fx: the Linear's output is used elsewhere, nothing fused
         assert not report.fused and "other than by calling it" in report.skipped["seq.0"], str(report)
+    elif cls is _ReachesThroughItsChild:  # a grandparent's use: it was fused, the output changed by ~1
+        assert not report.fused and "_ReachesThroughItsChild.forward uses self.block.mlp other than" in \
+            report.skipped["block.mlp.0"], str(report)
     else:
         assert report.fused == ["seq.0"], str(report)
         assert report.method == ("torch.fx rewrite" if cls is _ReusesTheReLU else "module patching")

@@ -343,6 +343,13 @@ def test_check_heldout_dry_run(swept, tmp_path, capsys):
     assert {(r["op"], r["provider"]) for r in results.rows} == {
         (f"{p} linear", who) for p in ("fwd", "grad_a", "grad_b") for who in ("shipped", "exhaustive best")}
     assert "shipped/best" in capsys.readouterr().out
+    # the file is there now (a sweep's, say): a check refuses it, or replaces it with --overwrite
+    before = out.read_text()
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2 and "exists: --overwrite replaces it" in capsys.readouterr().err
+    assert out.read_text() == before
+    assert main(args + ["--overwrite"]) == 0
 
 
 def test_first_call_dry_run(swept, tmp_path, capsys):

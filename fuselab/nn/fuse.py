@@ -239,16 +239,42 @@ _WHOLE_MODULE_USES = frozenset({"parameters", "named_parameters", "buffers", "na
                                 "load_state_dict", "float", "half", "double", "bfloat16", "type"})
 
 
-def _reaching_use(method: ast.AST, me: str, key: str) -> bool:
-    """Whether ``method`` uses ``me.key`` (its Sequential) other than by calling it or by a whole-module use: an
-    index, an iteration, an alias, an argument (``len`` aside)."""
+def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
+    """Whether ``method`` uses ``me.<path>`` (its Sequential, ``path`` the attribute names down to it) other than by
+    calling it or by a whole-module use: an index, an iteration, an alias, an argument (``len`` aside); reached as
+    attributes, ``getattr(me, "name")``, ``me._modules["name"]`` or ``me.get_submodule("dotted.path")``."""
     parents = {id(child): node for node in ast.walk(method) for child in ast.iter_child_nodes(node)}
+    dotted = ".".join(path)
+
+    def step(node: ast.AST) -> Optional[Tuple[str, ast.AST]]:
+        """(attribute name, the node it is taken of) where ``node`` takes one: x.name, getattr(x, "name"),
+        x._modules["name"]."""
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            return node.attr, node.value
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+            return node.args[1].value, node.args[0]
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "_modules"
+                and isinstance(node.slice, ast.Constant)):
+            return node.slice.value, node.value.value
+        return None
+
+    def reaches(node: ast.AST, names: Tuple[str, ...]) -> bool:  # node is me.<names>
+        for name in reversed(names):
+            taken = step(node)
+            if taken is None or taken[0] != name:
+                return False
+            node = taken[1]
+        return isinstance(node, ast.Name) and node.id == me
+
     for node in ast.walk(method):
-        named = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                 and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == me
-                 and isinstance(node.args[1], ast.Constant) and node.args[1].value == key)  # getattr(self, "key")
-        if not named and not (isinstance(node, ast.Attribute) and node.attr == key and isinstance(node.value, ast.Name)
-                              and node.value.id == me and isinstance(node.ctx, ast.Load)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_submodule"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == me and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                and (node.args[0].value + ".").startswith(dotted + ".")):
+            if node.args[0].value != dotted:  # a module inside the Sequential
+                return True
+        elif not reaches(node, path):
             continue
         up = parents.get(id(node))
         if isinstance(up, ast.Call) and up.func is node:  # self.key(x)
@@ -262,22 +288,33 @@ def _reaching_use(method: ast.AST, me: str, key: str) -> bool:
     return False
 
 
-def _parent_reaches_inside(parent: nn.Module, key: str) -> Optional[str]:
-    """Why ``parent`` may use its Sequential ``key`` other than by calling it whole (``self.key[0](x)``,
-    ``for layer in self.key``: it would meet the fused layer, ReLU included, and an Identity for the
-    ReLU); None where every use in its class's own methods is a call or a whole-module use. A Sequential or a
-    module list holding it is taken as calling it whole; torch's and transformers' methods are not read."""
+def _parent_reaches_inside(parent: nn.Module, path: Tuple[str, ...]) -> Optional[str]:
+    """Why ``parent`` may use the Sequential at attribute ``path`` below it other than by calling it whole
+    (``self.key[0](x)``, ``for layer in self.key``, ``self.block.mlp[0](x)`` from a module above: it would meet the
+    fused layer, ReLU included, and an Identity for the ReLU); None where every use in its class's own methods is a
+    call or a whole-module use. A Sequential or a module list holding it is taken as calling it whole; torch's and
+    transformers' methods are not read."""
     if isinstance(parent, (nn.ModuleList, nn.ModuleDict)) or (
             type(parent).forward is nn.Sequential.forward and "forward" not in vars(parent)):
         return None
-    cls = type(parent)
+    cls, dotted = type(parent), ".".join(path)
     for name, method in class_methods(cls, skip_modules=("torch.", "transformers.")):
         if method is None:
-            return f"{cls.__name__}.{name} has no readable source to check how it uses its Sequential {key}"
+            return f"{cls.__name__}.{name} has no readable source to check how it uses its Sequential {dotted}"
         me = method.args.args[0].arg if method.args.args else None  # "self", by convention only
-        if me is not None and _reaching_use(method, me, key):
-            return (f"{cls.__name__}.{name} uses {me}.{key} other than by calling it (indexed or iterated, it "
+        if me is not None and _reaching_use(method, me, path):
+            return (f"{cls.__name__}.{name} uses {me}.{dotted} other than by calling it (indexed or iterated, it "
                     "would meet the fused layer, ReLU included)")
+    return None
+
+
+def _ancestors_reach_inside(modules: Dict[str, nn.Module], name: str) -> Optional[str]:
+    """``_parent_reaches_inside`` for every module above the Sequential ``name``, its parent first."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        why = _parent_reaches_inside(modules[".".join(parts[:i])], tuple(parts[i:]))
+        if why is not None:
+            return why
     return None
 
 
@@ -308,9 +345,8 @@ def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:
     for name, seq in modules.items():
         if not isinstance(seq, nn.Sequential):
             continue
-        parent_name, _, key_in_parent = name.rpartition(".")
-        # read the parent's source only for a Sequential with something to fuse
-        reaches = functools.cache(lambda: _parent_reaches_inside(modules[parent_name], key_in_parent) if name else None)
+        # read the sources above only for a Sequential with something to fuse
+        reaches = functools.cache(lambda: _ancestors_reach_inside(modules, name) if name else None)
         children = list(seq._modules.items())  # not named_children(): it skips a module's repeats
         for (key, layer), (act_key, act) in zip(children, children[1:] + [(None, None)]):
             if not _is_linear_layer(layer):
@@ -486,6 +522,11 @@ def _modes_set(model: nn.Module, training: bool, grad: bool, autocast: bool):
 
 # What torch.fx keeps on every GraphModule (a fuse_linear_relu result patched again is one): not the user's state
 _GRAPH_MODULE_ATTRIBUTES = frozenset({"meta", "shape_env"})
+# What nn.Module (and GraphModule) keep in a module's __dict__ themselves; any other attribute, private ones too,
+# is the model's own state, which a graph would freeze.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_GRAPH_MODULE_INTERNALS = _GRAPH_MODULE_ATTRIBUTES | frozenset(vars(torch.fx.GraphModule(nn.Module(),
+                                                                                    torch.fx.Graph())))
 
 
 def _snapshot_hazard(model: nn.Module) -> Optional[str]:
@@ -504,8 +545,8 @@ def _snapshot_hazard(model: nn.Module) -> Optional[str]:
                      if getattr(type(module), k) is not getattr(nn.Module, k)]
         if overrides:
             return f"{where} overrides {', '.join(overrides)}, which the rewritten GraphModule would not have"
-        own = _GRAPH_MODULE_ATTRIBUTES if isinstance(module, torch.fx.GraphModule) else ()
-        plain = [k for k in vars(module) if not k.startswith("_") and k != "training" and k not in own]
+        own = _GRAPH_MODULE_INTERNALS if isinstance(module, torch.fx.GraphModule) else _MODULE_INTERNALS
+        plain = [k for k in vars(module) if k not in own and k != "training"]  # `self._temperature` too
         if plain:
             return (f"{where} keeps Python attributes ({', '.join(plain)}) that a torch.fx graph would freeze "
                     "(a later change would no longer take effect)")
@@ -528,8 +569,13 @@ def _constant(value) -> bool:
     """Whether a global a forward reads names code, not data (a module, a class, a function, a dtype), safe for a
     graph to keep as it was when traced; a number, a tensor or an object may be rebound later (a rate a training
     loop schedules), and the graph would keep the old value."""
-    return (value is None or inspect.ismodule(value) or isinstance(value, (type, torch.dtype, enum.Enum))
+    if inspect.ismodule(value):  # Python's and NumPy's random generators are state: a draw would be frozen
+        return value.__name__ not in _RANDOM_MODULES
+    return (value is None or isinstance(value, (type, torch.dtype, enum.Enum))
             or inspect.isfunction(value) or inspect.isbuiltin(value) or isinstance(value, torch._ops.OpOverloadPacket))
+
+
+_RANDOM_MODULES = frozenset({"random", "numpy.random", "secrets"})
 
 
 def _outside_reads(fn) -> List[str]:
@@ -589,6 +635,9 @@ def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str
             return (f"{where}'s code reads {', '.join(outside)} from outside the model, which a torch.fx graph "
                     "would freeze (a later change would no longer take effect)")
         tree = _source_tree(type(module).forward)
+        why = _proxy_blind_test(tree) if tree is not None else None
+        if why is not None:
+            return f"{where}'s forward {why}"
         children = {k: c for k, c in module.named_children()
                     if leaf(c, f"{name}.{k}" if name else k) and not isinstance(c, _CONTAINERS)}
         for node in ast.walk(tree) if tree is not None else ():
@@ -602,6 +651,23 @@ def _frozen_by_trace(model: nn.Module, gm: torch.fx.GraphModule) -> Optional[str
     if any(node.op == "get_attr" and _FX_CONSTANT.fullmatch(node.target) for node in gm.graph.nodes):
         return ("the forward makes or reads a tensor outside the model (a global, `torch.tensor(...)`): a torch.fx "
                 "graph keeps it as a frozen constant, and in its state dict")
+    return None
+
+
+def _proxy_blind_test(tree: ast.AST) -> Optional[str]:
+    """What in a forward's syntax tree a torch.fx trace answers for a Proxy instead of the value, freezing its
+    branch: ``isinstance(h, ...)`` of anything but ``self``'s attributes (a Proxy is no Tensor), a draw from
+    ``np.random``; None where nothing."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
+                and node.args and not (isinstance(node.args[0], ast.Attribute) and isinstance(node.args[0].value,
+                                                                                                ast.Name)
+                                       and node.args[0].value.id == "self")):
+            return (f"tests isinstance({ast.unparse(node.args[0])}, ...), which a torch.fx trace answers for a "
+                    "Proxy (freezing the branch it took)")
+        if isinstance(node, ast.Attribute) and node.attr == "random" and isinstance(node.value, ast.Name) and \
+                node.value.id in ("np", "numpy"):
+            return "draws from numpy.random, which a torch.fx graph would freeze at the traced draw"
     return None
 
 
@@ -781,7 +847,10 @@ def fuse_relu_matmul(gm: torch.fx.GraphModule, filter_fn=None, skipped: Optional
             relu.replace_all_uses_with(prod)
             graph.erase_node(relu)
     for relu, prod, fn in functions:
-        with graph.inserting_before(relu):  # operands read now: an earlier fusion may have replaced one
+        # at the product, not the ReLU: a grad or autocast switch between them must see the fused call where the
+        # product was (else a no_grad feature layer got gradients); operands read now: an earlier fusion may have
+        # replaced one
+        with graph.inserting_before(prod):
             fused = graph.call_function(fn, _operands(prod))
         fused.meta.update(relu.meta)
         fused.meta["is_wrapped"] = True  # the generated code torch.fx.wrap-s it: a re-trace keeps the call

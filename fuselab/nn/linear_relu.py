@@ -76,7 +76,9 @@ def fused_linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
 @torch.fx.wrap
 def fused_matmul_relu(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``torch.relu(a @ b + bias)``, through the fused op wherever it computes that."""
+    """``torch.relu(torch.addmm(bias, a, b))`` (``torch.relu(a @ b + bias)``), through the fused op wherever it
+    computes that. Under autocast it is addmm's: every operand cast to the autocast dtype, the bias too (``a @ b +
+    bias`` with an fp32 bias would add in fp32 and return fp32)."""
     out = eager_path.call(a, b, bias, linear=False, autocast=True)
     if out is not None:
         return out

@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
                    help="results JSON (default: runs/<study>-<gpu>.json under the current directory)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue --out: skip what it already holds")
-    again.add_argument("--overwrite", action="store_true", help="start --out over")
+    again.add_argument("--overwrite", action="store_true", help="start --out over (a check: replace it)")
     p.add_argument("--budget-min", type=positive_float, default=None,
                    help="stop starting new timings after this many minutes (saved; --resume continues)")
     p.add_argument("--write-configs", action="store_true",
@@ -88,8 +88,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error("--grid is the sweep's; the checks take --shapes, --dtypes, --layouts and --ops")
     if not check and any(v is not None for v in (args.shapes, args.dtypes, args.layouts, args.ops)):
         p.error("--shapes, --dtypes, --layouts and --ops choose the checks' problems; the sweep's come from --grid")
-    if check and (args.write_configs or args.budget_min is not None or args.resume or args.overwrite):
-        p.error("--write-configs, --budget-min, --resume and --overwrite are the sweep's")
+    if check and (args.write_configs or args.budget_min is not None or args.resume):
+        p.error("--write-configs, --budget-min and --resume are the sweep's")
     if args.dirty and args.commit is None:
         p.error("--dirty describes --commit: give both")
     if args.dry_run and args.write_configs and args.configs_dir is None:  # later interpreter runs would read them
@@ -170,6 +170,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = args.out or Path("runs") / f"{study}-{_autotune.gpu_file_name()}.json"
     if args.resume and not out.exists():
         p.error(f"--resume continues {out}, which is not there: nothing to continue")
+    if (args.check_heldout or args.first_call) and out.exists() and not args.overwrite:  # a sweep's file, say
+        p.error(f"{out} exists: --overwrite replaces it (a check does not continue a file)")
     try:
         if args.check_heldout or args.first_call:
             run = checks.check_heldout if args.check_heldout else checks.first_call

@@ -207,6 +207,10 @@ def test_resume_refuses_results_of_another_kernel_version(tmp_path, swept, capsy
     out.write_text(json.dumps(data))
     assert main(["--dry-run", "--out", str(out), "--resume"]) == 1
     assert "another version of matmul_relu_kernel" in capsys.readouterr().err
+    # another timing window: its rows would be compared with these as one sweep's
+    out.write_text(swept[0].read_text())
+    assert main(["--dry-run", "--out", str(out), "--resume", "--rep-ms", "7"]) == 1
+    assert "swept with other settings (rep_ms" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,6 +354,13 @@ def test_check_heldout_dry_run(swept, tmp_path, capsys):
     assert exit_.value.code == 2 and "exists: --overwrite replaces it" in capsys.readouterr().err
     assert out.read_text() == before
     assert main(args + ["--overwrite"]) == 0
+    # no shipped choice (an empty configs folder): the exhaustive search's best is kept beside the failure
+    empty = tmp_path / "no-configs"
+    empty.mkdir()
+    assert main([a if a != str(swept[1]) else str(empty) for a in args] + ["--overwrite"]) == 0
+    results = Results.load(out)
+    assert {f["provider"] for f in results.failed} == {"shipped"}
+    assert {r["provider"] for r in results.rows} == {"exhaustive best"} and all(r["config"] for r in results.rows)
 
 
 def test_first_call_dry_run(swept, tmp_path, capsys):

@@ -286,6 +286,11 @@ def _check_resumable(results: Results, env: dict, prints: Dict[str, str], path: 
             if prints.get(name, fp) != fp:
                 raise SweepError(f"{path} timed another version of {name} (fingerprint {fp}, now {prints[name]}): "
                                  f"its choices do not apply; start over with --overwrite or another --out")
+        changed = [f"{k} {run[k]!r} -> {env[k]!r}" for k in ("grid", "mode", "warmup_ms", "rep_ms")
+                   if k in run and run[k] != env[k]]
+        if changed:  # rows timed two ways would be compared as one sweep's
+            raise SweepError(f"{path} was swept with other settings ({'; '.join(changed)}): resume with its "
+                             "settings, or start over with --overwrite or another --out")
 
 
 def open_results(path: Path, resume: bool, overwrite: bool, env: dict) -> Results:

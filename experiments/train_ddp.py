@@ -288,6 +288,10 @@ def train(args, rt):
     peak = fd.all_reduce(harness.peak_memory_mib(device) or 0.0, "max") if cuda else None
     if not rt.is_main:
         return None
+    path = harness.output_path(args, STUDY)
+    if step == first_step:  # a resume of a finished run measured nothing: the results of the run it resumed stay
+        log.warning("nothing was trained: %s left as it was", path)
+        return results.rows
     summary = {}
     if windows:
         ips = harness.Timing.of(windows)
@@ -305,10 +309,6 @@ def train(args, rt):
         summary["peak MiB"] = peak
     print(harness.markdown_table(["op", "provider", "shape", *summary],
                                  [[keys["op"], keys["provider"], keys["shape"], *summary.values()]]))
-    path = harness.output_path(args, STUDY)
-    if step == first_step:  # a resume of a finished run measured nothing: the results of the run it resumed stay
-        log.warning("nothing was trained: %s left as it was", path)
-        return results.rows
     print(f"saved {results.save(path, merge=args.merge)}")
     return results.rows
 

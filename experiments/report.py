@@ -471,7 +471,14 @@ def build_table(rows: List[dict], index: Sequence[str], column: str, baseline: O
     if baseline in cols:
         cols.remove(baseline)
         cols.insert(0, baseline)
-    cell = {(tuple(r[k] for k in index), r[column]): r[stat] for r in rows}
+    by_cell: Dict[tuple, dict] = {}
+    for r in rows:  # one row a cell: a second (another shape the index leaves out, a duplicate) is ambiguous
+        place = (tuple(r[k] for k in index), r[column])
+        if place in by_cell:
+            raise ValueError(f"two {metric} rows for {dict(zip(index, place[0]))}, {column} {place[1]!r} (runs "
+                             f"{by_cell[place]['run']} and {r['run']}): the table would show one of them")
+        by_cell[place] = r
+    cell = {place: r[stat] for place, r in by_cell.items()}
     runs = {}
     for r in rows:
         runs.setdefault(tuple(r[k] for k in index), []).append(r["run"])
@@ -484,12 +491,14 @@ def build_table(rows: List[dict], index: Sequence[str], column: str, baseline: O
         base = cell.get((key, baseline))
         for c in ratio_cols:
             v = cell.get((key, c))
-            if v is None or not base or (not v and not hib):
+            # a ratio only within one run: across runs it divides other commits', GPUs' or drift phases' figures
+            other_run = v is not None and base and by_cell[(key, c)]["run"] != by_cell[(key, baseline)]["run"]
+            if v is None or not base or (not v and not hib) or other_run:
                 line.append("")
                 continue
             ratio = v / base if hib else base / v
             ratios[f"{c} x {baseline}"][key] = ratio
-            line.append(f"{ratio:.2f}")
+            line.append(f"{ratio:.3f}")  # 0.9451 is not "0.95" against a 0.95 target
         if with_runs:
             line.append(", ".join(f"`{r}`" for r in dict.fromkeys(runs[key])))
         lines.append(line)
@@ -890,13 +899,13 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
         parts, rows = [], []
         for op, provider in (("resnet50 train", "resnet50"), ("opt train", "opt")):
             rs = select(comp.rows, op=op, provider=provider, dtype="bf16", metric="ms/step")
-            eager = {r["shape"]: r for r in rs if r["mode"] == "eager"}
-            best = [(eager[r["shape"]]["p50"] / r["p50"], r) for r in rs
-                    if r["mode"] != "eager" and r["shape"] in eager]
+            eager = {(r["shape"], r["run"]): r for r in rs if r["mode"] == "eager"}  # pairs within one run
+            best = [(eager[(r["shape"], r["run"])]["p50"] / r["p50"], r) for r in rs
+                    if r["mode"] != "eager" and (r["shape"], r["run"]) in eager]
             if best:
                 speed, r = max(best, key=lambda b: b[0])
                 parts.append(f"{provider} {speed:.2f}x ({r['mode']})")
-                rows += [r, eager[r["shape"]]]
+                rows += [r, eager[(r["shape"], r["run"])]]
         if parts:
             out.append(["torch.compile vs eager, bf16 training, best mode", "; ".join(parts), _where(comp, rows)])
     host = studies.get("host_overhead")
@@ -975,10 +984,12 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
         for op in ("train on cuda", "train on cpu"):
             rs = select(mlp.rows, op=op, metric="test accuracy")
             if rs:
+                shape = rs[-1]["shape"]  # one dataset's rows (a digits fallback's are another shape)
+                rs = [r for r in rs if r["shape"] == shape]
                 acc = {r["provider"]: r for r in rs}
                 text = ", ".join(f"{p} {r['p50']:.3f}" for p, r in acc.items())
                 epochs = rs[0].get("epochs")
-                out.append([f"MLP test accuracy ({rs[0]['shape'].split(',')[0]}, {epochs} epochs, {op})", text,
+                out.append([f"MLP test accuracy ({shape.split(',')[0]}, {epochs} epochs, {op})", text,
                             _where(mlp, rs)])
                 break
     return out

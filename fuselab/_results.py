@@ -8,6 +8,7 @@ Ratios between providers are computed when reporting, never stored. Written by t
 ``experiments/report.py``.
 """
 import json
+import math
 import os
 import platform
 import subprocess
@@ -77,7 +78,7 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None,
     elif dirty_env is not None:
         dirty = dirty_env not in ("0", "", "false")
     else:
-        status = _git("status", "--porcelain", "--untracked-files=no")
+        status = _git("status", "--porcelain")  # untracked files too: a new configs file the tuner reads, say
         dirty = bool(status) if status is not None else None
     from fuselab.kernels._runtime import INTERPRET, device_name
 
@@ -137,8 +138,15 @@ def _row_problem(row, runs: dict) -> Optional[str]:
         return f"lacks {missing}"
     if row["run"] not in runs:
         return f"names run {row['run']!r}, which the file does not describe"
-    bad = [k for k in ("p20", "p50", "p80") if isinstance(row[k], bool) or not isinstance(row[k], (int, float))]
-    return f"has non-numeric {bad}" if bad else None
+    bad = [k for k in ("p20", "p50", "p80") if isinstance(row[k], bool) or not isinstance(row[k], (int, float))
+           or not math.isfinite(row[k])]
+    if bad:
+        return f"has non-numeric or non-finite {bad}"
+    if not row["p20"] <= row["p50"] <= row["p80"]:
+        return f"has quantiles out of order (p20 {row['p20']}, p50 {row['p50']}, p80 {row['p80']})"
+    if not isinstance(runs[row["run"]], dict):
+        return f"names run {row['run']!r}, whose description is not an object"
+    return None
 
 
 class Results:
@@ -305,6 +313,14 @@ class Results:
             problem = _row_problem(row, data["runs"])
             if problem is not None:
                 raise ValueError(f"{path}: row {i} {problem}")
+        baselines, failed = data.get("baselines") or {}, data.get("failed") or []
+        if not isinstance(data["study"], str) or not isinstance(baselines, dict) or not all(
+                isinstance(v, str) for v in baselines.values()):
+            raise ValueError(f"{path}: the study must be a name and the baselines a mapping of op -> provider")
+        for i, entry in enumerate(failed if isinstance(failed, list) else [None]):
+            if not (isinstance(entry, dict) and entry.get("run") in data["runs"]
+                    and all(k in entry for k in (*FAILURE_KEYS, "error"))):
+                raise ValueError(f"{path}: failure {i} is not a failure of one of the file's runs: {entry!r:.80}")
         return cls(data["study"], data["runs"], data["rows"], data.get("baselines"), data.get("failed"))
 
     def save(self, path: Path, merge: bool = False) -> Path:
@@ -319,7 +335,10 @@ class Results:
             if old.study != self.study:
                 raise ValueError(f"{path} holds study {old.study!r}, not {self.study!r}: not merged")
             replaced = old._replaced_by(self)
-            kept = [r for r in old.rows if not replaced(r)]
+            # a configuration that fails now: its old rows go too (else the page showed the old figure beside the
+            # failure, and ratios against this run's baseline)
+            failing = {self._failure_identity(f) for f in self.failed}
+            kept = [r for r in old.rows if not replaced(r) and old._failure_identity(r) not in failing]
             # an earlier failure stays listed until this run measures or fails that configuration again
             tried = {self._failure_identity(r) for r in self.rows + self.failed}
             kept_failed = [f for f in old.failed if old._failure_identity(f) not in tried]

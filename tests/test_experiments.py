@@ -174,6 +174,12 @@ def test_results_save_merge_load_round_trip(tmp_path):
                       ("new", "32x32x32", "graph"): (9.0, second.run_id)}
     assert merged.failed == [] and merged.baselines == {"fwd": "base"}
     assert set(merged.runs) == {first.run_id, second.run_id}
+    third = Results("s")  # a configuration that worked and fails now: its old figure goes, the failure stays
+    third.fail(op="fwd", provider="new", shape="16x16x16", dtype="bf16", mode="eager", error="does not compile")
+    third.save(path, merge=True)
+    after = Results.load(path)
+    assert ("new", "16x16x16") not in {(r["provider"], r["shape"]) for r in after.rows}
+    assert [f["error"] for f in after.failed] == ["does not compile"] and len(after.rows) == 3
 
     alone = Results("s")  # without merge a run stands alone, and runs no row uses are dropped
     _row(alone, "base", 1.0)
@@ -184,6 +190,18 @@ def test_results_save_merge_load_round_trip(tmp_path):
         Results("other").save(path, merge=True)
     path.write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match="not a fuselab results file"):
+        Results.load(path)
+    # malformed files the report rendered ("fwd nan vs 26 us") or crashed on halfway through its pages
+    good = alone.to_json()
+    for bad, words in (({"p50": float("nan")}, "non-finite"), ({"p20": 5.0}, "out of order")):
+        path.write_text(json.dumps({**good, "rows": [dict(good["rows"][0], **bad)]}))
+        with pytest.raises(ValueError, match=words):
+            Results.load(path)
+    path.write_text(json.dumps({**good, "failed": [{"op": "fwd", "error": "x", "run": "nobody"}]}))
+    with pytest.raises(ValueError, match="failure 0 is not a failure of one of the file's runs"):
+        Results.load(path)
+    path.write_text(json.dumps({**good, "baselines": ["fwd"]}))
+    with pytest.raises(ValueError, match="baselines a mapping"):
         Results.load(path)
 
 
@@ -214,7 +232,7 @@ def test_a_cpu_run_merged_into_a_gpu_file_goes_beside_its_rows(tmp_path):
     assert [r["p50"] for r in merged.select(metric="MB")] == [7.5]  # what no device changes: replaced
     page = report.render_study(merged, report.Spec("Demo", ""))
     assert "| device | shape | SparseAdam | SparseAdamW | SparseAdamW x SparseAdam | run |" in page
-    assert "| cuda | 8x8x8 | 2.00 | 1.00 | 2.00 |" in page and "| cpu | 8x8x8 | 40.0 | 10.0 | 4.00 |" in page
+    assert "| cuda | 8x8x8 | 2.00 | 1.00 | 2.000 |" in page and "| cpu | 8x8x8 | 40.0 | 10.0 | 4.000 |" in page
     assert report.main_device(merged).devices() == ["cuda"]
     line = report.sparse_headline(report.main_device(merged))
     assert line[1] == "2.00x wall" and "NVIDIA H200" in line[2]
@@ -810,9 +828,10 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     assert {r["provider"] for r in res.select(op="fp8 gemm")} == {"fuselab bf16"}
     monkeypatch.setattr(bench_quant, "fp8_unsupported", lambda device: None)
     monkeypatch.setitem(bench_quant.FP8.fns, "_scaled_mm", lambda inp: 1 / 0)  # a provider that raises
-    bench_quant.measure_gemm(res, "fp8 gemm", "odd 17x19x23", args, device="cpu")
-    assert res.failed[-1]["provider"] == "_scaled_mm" and "ZeroDivisionError" in res.failed[-1]["error"]
-    assert res.value(op="fp8 gemm", provider="fuselab fp8", mode="eager", metric="rel err") < 1e-2
+    again = Results(bench_quant.STUDY)  # a run of its own: one run's rows hold a shape once
+    bench_quant.measure_gemm(again, "fp8 gemm", "odd 17x19x23", args, device="cpu")
+    assert again.failed[-1]["provider"] == "_scaled_mm" and "ZeroDivisionError" in again.failed[-1]["error"]
+    assert again.value(op="fp8 gemm", provider="fuselab fp8", mode="eager", metric="rel err") < 1e-2
 
     args.providers = {"prefill": ["fuselab bf16", "int8 dynamic", "int8 fused norms"]}
     events = []  # --profile: every provider timed before any is profiled (a profiler session slows later launches)
@@ -878,17 +897,28 @@ def test_report_ratios_come_from_rows():
                                                            geomean_by=("mode",)),), hide=("ms",))
     page = report.render_study(res, spec)
     assert "| shape | mode | cuBLASLt | fuselab | fuselab x cuBLASLt |" in page
-    assert "| a | eager | 100 | 150 | 1.50 |" in page and "| b | graph | 200 | 100 | 0.50 |" in page
+    assert "| a | eager | 100 | 150 | 1.500 |" in page and "| b | graph | 200 | 100 | 0.500 |" in page
     assert "fuselab x cuBLASLt, eager: geometric mean **0.87** over 2 lines" in page  # sqrt(1.5 * 0.5)
     assert "### fwd: ms" not in page  # a hidden metric
     generic = report.render_study(res, report.Spec("Demo", ""))  # no view: a table per op and metric
-    assert "### fwd: ms" in generic and "| a | eager | 10.0 | 6.67 | 1.50 |" in generic
+    assert "### fwd: ms" in generic and "| a | eager | 10.0 | 6.67 | 1.500 |" in generic
     # a compile-study view: modes as columns, eager the baseline
     comp = Results("compile_speedup")
     for mode, ms in (("eager", 40.0), ("default", 32.0)):
         comp.record(op="opt train", provider="opt", shape="8x1024 tokens", dtype="bf16", mode=mode, metric="ms/step",
                     value=ms)
-    assert "| opt train | bf16 | opt | 40.0 | 32.0 | 1.25 |" in report.render_study(comp)
+    assert "| opt train | bf16 | opt | 40.0 | 32.0 | 1.250 |" in report.render_study(comp)
+    # a ratio only within one run (a resnet50 headline divided two commits' figures); two rows in one cell refused
+    other = Results("compile_speedup")
+    other.record(op="opt train", provider="opt", shape="8x1024 tokens", dtype="bf16", mode="reduce-overhead",
+                 metric="ms/step", value=20.0)
+    comp.rows += other.rows
+    comp.runs.update(other.runs)
+    page = report.render_study(comp)
+    assert "| opt train | bf16 | opt | 40.0 | 32.0 | 20.0 | 1.250 |  |" in page, page
+    comp.rows.append(dict(comp.rows[0], shape="tiny"))  # a shape the compile view's index leaves out
+    with pytest.raises(ValueError, match="two ms/step rows for .* the table would show one of them"):
+        report.render_study(comp)
 
 
 def test_report_views_against_a_named_peer_and_the_loss_headline():
@@ -985,7 +1015,7 @@ def test_report_writes_docs_plots_and_headline(tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in docs.iterdir()}
     good = json.loads((results / "train_mlp.json").read_text())
     for damage, words in (("truncated", "is not JSON"), ("no run", "row 0 lacks ['run']"),
-                          ("null p50", "row 0 has non-numeric ['p50']"), ("unknown run", "which the file does not describe")):
+                          ("null p50", "row 0 has non-numeric or non-finite ['p50']"), ("unknown run", "which the file does not describe")):
         data = json.loads(json.dumps(good))
         if damage == "no run":
             del data["rows"][0]["run"]

@@ -168,8 +168,9 @@ class QuantizedRows(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # RuntimeError: torch turns a TypeError from a binary operator (rows + 1) into its own "unsupported operand"
         raise RuntimeError(f"{func} on the output of a QuantizedLayerNorm (fuselab.quant, quantize_ with "
-                        "fuse_norms=True): it holds quantized rows that only fuselab's dynamic quantized linears read; "
-                        "the model, or a hook, uses the norm's output otherwise: quantize with fuse_norms=False")
+                           "fuse_norms=True): it holds quantized rows that only fuselab's dynamic quantized linears "
+                           "read; the model, or a hook, uses the norm's output otherwise: quantize with "
+                           "fuse_norms=False")
 
     def __repr__(self) -> str:
         return (f"QuantizedRows(shape={tuple(self.shape)}, {self.qdata.dtype} rows standing for {self.dtype}, "

@@ -377,19 +377,16 @@ def int8_fused_norms_model(stock: torch.nn.Module) -> Tuple[torch.nn.Module, dic
 
 
 @PREFILL.register("fp8")
-def fp8_model(stock: torch.nn.Module) -> Tuple[torch.nn.Module, dict]:
+def fp8_model(stock: torch.nn.Module, fuse_norms: bool = False) -> Tuple[torch.nn.Module, dict]:
     why = fp8_unsupported(next(stock.parameters()).device)
     if why is not None:
         raise RuntimeError(why)
-    return quantized_model(stock, Float8RowwiseConfig())
+    return quantized_model(stock, Float8RowwiseConfig(fuse_norms=fuse_norms))
 
 
 @PREFILL.register("fp8 fused norms")
 def fp8_fused_norms_model(stock: torch.nn.Module) -> Tuple[torch.nn.Module, dict]:
-    why = fp8_unsupported(next(stock.parameters()).device)
-    if why is not None:
-        raise RuntimeError(why)
-    return quantized_model(stock, Float8RowwiseConfig(fuse_norms=True))
+    return fp8_model(stock, fuse_norms=True)
 
 
 def measure_prefill(results: Results, size: str, tokens: Tuple[int, int], args, device="cuda") -> None:

@@ -337,6 +337,7 @@ def train(args, rt):
     if start >= args.steps:
         log.info("the checkpoint is at step %d >= --steps %d: nothing to train", start, args.steps)
     run_id = training_run(state)
+    run = run_record(run_id, settings, state)  # what the results file records of this run
 
     variant = variant_name(args, sharded, world)
     shape = f"{world}x{args.batch}x{args.seq}" + (f" accum{accum}" if accum > 1 else "")
@@ -411,7 +412,7 @@ def train(args, rt):
             window_dirty = True  # a window that spans a save is not timed
             if rt.is_main:  # the results so far beside each checkpoint: a part that is killed keeps them
                 report_results(args, rt, windows, losses, None, None, None, keys, n_params, fpt, global_batch,
-                               run_record(run_id, settings, state), partial=True)
+                               run, partial=True)
     bar.close()
     if ckpt is not None:
         ckpt.close()
@@ -427,7 +428,7 @@ def train(args, rt):
         log.warning("nothing was trained: %s left as it was", harness.output_path(args, STUDY))
         return []
     return report_results(args, rt, windows, losses, val_loss, peak_mib, reserved_mib, keys, n_params, fpt,
-                          global_batch, run_record(run_id, settings, state))
+                          global_batch, run)
 
 
 @torch.no_grad()

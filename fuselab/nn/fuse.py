@@ -239,34 +239,36 @@ _WHOLE_MODULE_USES = frozenset({"parameters", "named_parameters", "buffers", "na
                                 "load_state_dict", "float", "half", "double", "bfloat16", "type"})
 
 
+def _attribute_step(node: ast.AST) -> Optional[Tuple[str, ast.AST]]:
+    """(attribute name, the node it is taken of) where ``node`` takes one: x.name, getattr(x, "name"),
+    x._modules["name"]; None elsewhere."""
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+        return node.attr, node.value
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+        return node.args[1].value, node.args[0]
+    if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "_modules"
+            and isinstance(node.slice, ast.Constant)):
+        return node.slice.value, node.value.value
+    return None
+
+
+def reads_path(node: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
+    """Whether ``node`` is ``me.<path>`` (``self.block.mlp``, through attributes, getattr or ``_modules``)."""
+    for name in reversed(path):
+        taken = _attribute_step(node)
+        if taken is None or taken[0] != name:
+            return False
+        node = taken[1]
+    return isinstance(node, ast.Name) and node.id == me
+
+
 def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
     """Whether ``method`` uses ``me.<path>`` (its Sequential, ``path`` the attribute names down to it) other than by
     calling it or by a whole-module use: an index, an iteration, an alias, an argument (``len`` aside); reached as
-    attributes, ``getattr(me, "name")``, ``me._modules["name"]`` or ``me.get_submodule("dotted.path")``."""
+    ``reads_path`` reads it or as ``me.get_submodule("dotted.path")``."""
     parents = {id(child): node for node in ast.walk(method) for child in ast.iter_child_nodes(node)}
     dotted = ".".join(path)
-
-    def step(node: ast.AST) -> Optional[Tuple[str, ast.AST]]:
-        """(attribute name, the node it is taken of) where ``node`` takes one: x.name, getattr(x, "name"),
-        x._modules["name"]."""
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-            return node.attr, node.value
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
-            return node.args[1].value, node.args[0]
-        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "_modules"
-                and isinstance(node.slice, ast.Constant)):
-            return node.slice.value, node.value.value
-        return None
-
-    def reaches(node: ast.AST, names: Tuple[str, ...]) -> bool:  # node is me.<names>
-        for name in reversed(names):
-            taken = step(node)
-            if taken is None or taken[0] != name:
-                return False
-            node = taken[1]
-        return isinstance(node, ast.Name) and node.id == me
-
     for node in ast.walk(method):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_submodule"
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == me and node.args
@@ -274,7 +276,7 @@ def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
                 and (node.args[0].value + ".").startswith(dotted + ".")):
             if node.args[0].value != dotted:  # a module inside the Sequential
                 return True
-        elif not reaches(node, path):
+        elif not reads_path(node, me, path):
             continue
         up = parents.get(id(node))
         if isinstance(up, ast.Call) and up.func is node:  # self.key(x)

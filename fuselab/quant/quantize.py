@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.nn.fuse import class_methods, is_conv1d, training_mode, why_not_swapped
+from fuselab.nn.fuse import class_methods, is_conv1d, reads_path, training_mode, why_not_swapped
 from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 from fuselab.quant.config import (
     Float8RowwiseConfig,
@@ -317,11 +317,10 @@ def _reads_child_weight(parent_cls: type, key: str) -> Optional[str]:
     for name, method in class_methods(parent_cls, skip_modules=("torch.nn.modules.module",)):
         me = method.args.args[0].arg if method is not None and method.args.args else None
         for node in ast.walk(method) if me is not None else ():
-            if (isinstance(node, ast.Attribute) and node.attr in ("weight", "bias")
-                    and isinstance(node.value, ast.Attribute) and node.value.attr == key
-                    and isinstance(node.value.value, ast.Name) and node.value.value.id == me):
-                return (f"{parent_cls.__name__}.{name} reads {me}.{key}.{node.attr} itself (a quantized layer's "
-                        "weight is an int8/fp8 buffer: what it does with it would change)")
+            for attr in ("weight", "bias"):
+                if reads_path(node, me, (key, attr)):
+                    return (f"{parent_cls.__name__}.{name} reads {me}.{key}.{attr} itself (a quantized layer's "
+                            "weight is an int8/fp8 buffer: what it does with it would change)")
     return None
 
 

@@ -541,6 +541,9 @@ def test_lr_scheduler_and_closure():
     (dict(lr=torch.tensor(0.01), foreach=True), "a tensor lr needs fused=True or foreach=False"),  # was at step()
     (dict(lr=torch.tensor([0.01, 0.02])), "a tensor lr must have one element"),
     (dict(graphs=1), "graphs must be True or False"),
+    (dict(lr="0.1"), "invalid lr '0.1'"), (dict(eps=None), "invalid eps None"),
+    (dict(weight_decay=True), "invalid weight_decay True"),
+    (dict(foreach=True, fused=True), "foreach=True and fused=True"),
 ])
 def test_bad_hyperparameters(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -574,7 +577,25 @@ def test_bad_sparse_gradients():
         SparseAdamW([q]).step()
 
 
-@pytest.mark.parametrize("bad", ["amsgrad", "layout", "ids"])
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "torch"])
+def test_parameters_a_sparse_update_cannot_hold_are_refused(fused):
+    # Found by a probe: integer parameters were updated and truncated (5 -> 4), an expanded parameter's rows
+    # (one memory row) took whichever row's update was written last.
+    grad = torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([[1.0] * 4, [-1.0] * 4]), (5, 4))
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        p = torch.ones(5, 4, dtype=dtype)
+        p.grad = grad.to(dtype)
+        with pytest.raises(TypeError, match=f"floating-point or complex parameters, got a {dtype}"):
+            SparseAdamW([p], fused=fused).step()
+        assert torch.equal(p, torch.ones(5, 4, dtype=dtype))
+    p = torch.nn.Parameter(torch.zeros(1, 4).expand(5, 4))
+    p.grad = grad
+    with pytest.raises(ValueError, match="rows do not overlap in memory"):
+        SparseAdamW([p], fused=fused).step()
+    assert not p.detach().any()
+
+
+@pytest.mark.parametrize("bad", ["amsgrad", "layout", "ids", "state"])
 def test_a_refused_sparse_gradient_leaves_the_whole_step_undone(bad):
     # The amsgrad and layout refusals came mid-step: the parameters before the refused one were updated
     first, second = embedding(10, 3, "cpu"), embedding(10, 3, "cpu")
@@ -587,14 +608,18 @@ def test_a_refused_sparse_gradient_leaves_the_whole_step_undone(bad):
         second.weight = torch.nn.Parameter(torch.randn(3, 10).t())
         second.weight.grad = torch.sparse_coo_tensor(torch.tensor([[3]]), torch.ones(1, 3), (10, 3))
         groups[1]["params"] = [second.weight]
-    else:
+    elif bad == "ids":
         second.weight.grad = torch.sparse_coo_tensor(torch.tensor([[10]]), torch.ones(1, 3).to(second.weight), (10, 3))
     opt = SparseAdamW(groups, lr=0.1)
+    if bad == "state":  # state loaded from a model of another vocabulary size (it was refused mid-step)
+        opt.state[second.weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(12, 3),
+                                    "exp_avg_sq": torch.zeros(12, 3)}
     before = first.weight.detach().clone(), second.weight.detach().clone()
-    with pytest.raises((ValueError, IndexError)):
+    with pytest.raises((ValueError, IndexError), match="exp_avg has shape" if bad == "state" else None):
         opt.step()
     assert torch.equal(first.weight, before[0]) and torch.equal(second.weight, before[1])
-    assert not opt.state, "no state made, no step counted"
+    assert list(opt.state) == ([second.weight] if bad == "state" else []), "no state made, no step counted"
+    assert bad != "state" or opt.state[second.weight]["step"] == 1
 
 
 @pytest.mark.parametrize("foreach", [None, False, True])

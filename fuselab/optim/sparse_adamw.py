@@ -13,6 +13,13 @@ from fuselab.kernels.sparse_adamw import check_row_ids, sparse_adamw_step_cpp, s
 
 def _check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of a parameter group."""
+    for name in ("lr", "eps", "weight_decay"):  # else a bare TypeError of a comparison, naming nothing
+        value = group[name]
+        if isinstance(value, bool) or not (isinstance(value, numbers.Real) or
+                                           (name == "lr" and isinstance(value, torch.Tensor))):
+            raise ValueError(f"invalid {name} {value!r}: must be a real number")
+    if group["foreach"] and group["fused"]:
+        raise ValueError("foreach=True and fused=True cannot be used together (torch.optim.AdamW refuses them too)")
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):  # torch.optim.AdamW's own checks, made here at construction too
         if lr.numel() != 1:
@@ -154,6 +161,9 @@ class SparseAdamW(torch.optim.Optimizer):
         if rows is None or (rows.shape[1] > 1 and rows.stride(1) != 1):
             raise ValueError(f"sparse gradients need a parameter whose rows are contiguous, got shape "
                              f"{tuple(t.shape)} with strides {t.stride()}")
+        if rows.shape[0] > 1 and rows.shape[1] > 0 and rows.stride(0) < rows.shape[1]:  # expand(): one row's write wins
+            raise ValueError(f"sparse gradients need a parameter whose rows do not overlap in memory, got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()} (an expanded tensor? clone it)")
         return rows
 
     @torch.no_grad()
@@ -214,6 +224,14 @@ class SparseAdamW(torch.optim.Optimizer):
                 if group["amsgrad"]:
                     raise ValueError(f"amsgrad is not supported with sparse gradients (parameter of shape "
                                      f"{tuple(p.shape)}): put such parameters in a group with amsgrad=False")
+                if not (p.is_floating_point() or p.is_complex()):  # the update would truncate into the integers
+                    raise TypeError(f"SparseAdamW updates floating-point or complex parameters, got a {p.dtype} "
+                                    f"parameter of shape {tuple(p.shape)}")
+                state = self.state.get(p, {})
+                for name in ("exp_avg", "exp_avg_sq"):  # a state dict of another model (another vocabulary size)
+                    if name in state and state[name].shape != p.shape:
+                        raise ValueError(f"the optimizer state's {name} has shape {tuple(state[name].shape)}, its "
+                                         f"parameter {tuple(p.shape)}: was the state dict saved for another model?")
                 param_rows[p] = self._rows(p, grad)
                 if not p.is_cuda and grad._nnz():
                     check_row_ids(grad._indices()[0], None, p)

@@ -12,7 +12,7 @@ Ops and providers (the first one named is each op's baseline; the report compute
     fwd+bwd        relu(a @ b + bias), forward then backward (3 GEMMs' FLOPs): autograd, fuselab
 
 Modes (``experiments/harness.py``): ``eager`` is ``triton.testing.do_bench`` (one call at a time, L2
-flushed, the host's per-call cost included); ``graph`` replays the same calls from a CUDA graph (device
+flushed; host time beyond the flush's shows); ``graph`` replays the same calls from a CUDA graph (device
 time only). Every provider is timed in every mode of ``--modes`` (both by default), in the same run.
 Inputs rotate over sets that together exceed L2, so a graph's replays do not find them
 cached. ``tf32`` rows are fp32 tensors under ``torch.set_float32_matmul_precision("high")``: tf32

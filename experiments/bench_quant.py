@@ -41,7 +41,7 @@ take operands quantized beforehand (weights are, in a model; quantizing the acti
 timed there); prefill times everything a quantized layer does, the activations' quantization too.
 
 Modes (``experiments/harness.py``): GEMMs in ``eager`` (``triton.testing.do_bench``: one call at a
-time, L2 flushed, the host's per-call cost included) and ``graph`` (the same calls replayed from a
+time, L2 flushed; host time beyond the flush's shows) and ``graph`` (the same calls replayed from a
 CUDA graph: device time only), over rotating input sets that together exceed L2; prefill in ``wall``
 (a synchronized forward per sample). A provider that cannot run (a shape cuBLAS refuses, out of
 memory, no fp8 tensor cores) is recorded as failed, with its error, and the run goes on. fuselab's

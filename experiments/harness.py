@@ -2,7 +2,8 @@
 
 Timing (``time_call``), in one of four modes, always as p20/p50/p80 milliseconds:
 
-    eager  ``triton.testing.do_bench``: CUDA events, L2 flushed before every call, host cost included
+    eager  ``triton.testing.do_bench``: CUDA events, L2 flushed (a 256 MB memset) before every call; the
+           call's host time overlaps that memset on the GPU, so only host time beyond it shows
     graph  ``triton.testing.do_bench_cudagraph``: the same call replayed from a CUDA graph (kernel
            time without the host's per-call cost); rotate inputs (``cycle``) to keep L2 cold
     wall   a ``perf_counter`` loop that synchronizes after every call (whole training steps, CPU runs)

@@ -92,12 +92,12 @@ with bias, 3 GEMMs' FLOPs; baseline torch `autograd` of `relu(addmm)`). Other pr
 (the Triton kernel), `relu(addmm)`, `inductor` (`torch.compile(mode="max-autotune-no-cudagraphs")`,
 bf16, three shapes){cuda}.
 
-Modes: `eager` is `triton.testing.do_bench` (one call at a time, L2 flushed, the host's per-call cost
-included: it dominates small shapes); `graph` replays the same calls from a CUDA graph (device time
-only). Inputs rotate over sets that together exceed L2. `tf32` rows are fp32 tensors under
-`torch.set_float32_matmul_precision("high")` (tf32 for every provider); at torch's default precision
-fuselab runs cuBLAS and a ReLU instead. `rel err` is the forward output's error against float64.
-Cells are medians (p50) of TFLOP/s; `x cuBLASLt` above 1 means faster than cuBLASLt."""
+Modes: `eager` is `triton.testing.do_bench` (one call at a time after an L2 flush, a 256 MB memset on the
+GPU that the call's host time overlaps: only host time beyond the memset's shows); `graph` replays the
+same calls from a CUDA graph (device time only). Inputs rotate over sets that together exceed L2.
+`tf32` rows are fp32 tensors under `torch.set_float32_matmul_precision("high")` (tf32 for every
+provider); at torch's default precision fuselab runs cuBLAS and a ReLU instead. `rel err` is the forward
+output's error against float64. Cells are medians (p50) of TFLOP/s; `x cuBLASLt` above 1 means faster than cuBLASLt."""
 
 CUDA_PROSE = """, and the CUDA C++ reference (`matmul_relu(..., backend="cuda")`): `CUDA mma`
 (mma.sync fed by ldmatrix; in tf32 its WMMA kernel) and `CUDA wgmma` (Hopper's warp-specialized TMA
@@ -135,7 +135,7 @@ unquantized tensors). `fp8 gemm` is the same in float8_e4m3fn with rowwise scale
 **`_scaled_mm`**: `torch._scaled_mm` with scales (M, 1) and (1, N), the bias and bf16 out, then a
 ReLU; `_scaled_mm fast accum` with `use_fast_accum=True`; `fuselab fp8`; `fuselab bf16`). Rates are
 2·M·N·K per second: `TOP/s` for the int8 op (the bf16 peer's operations are FLOPs), `TFLOP/s` for
-fp8. `eager` is `triton.testing.do_bench` (L2 flushed, host cost included), `graph` replays the
+fp8. `eager` is `triton.testing.do_bench` (L2 flushed; host time beyond the flush's shows), `graph` replays the
 calls from a CUDA graph; inputs rotate over sets larger than L2. `rel err` is each output against
 float64 of its own inputs' math (the dequantized math for the 8-bit providers); `rel err vs bf16
 math` against float64 of the unquantized bf16 inputs, the quantization error included. The GEMMs'
@@ -196,9 +196,9 @@ tokens (GPU work of a few microseconds: host time) and 8192 tokens (the GPU's sh
 path, one C++ function with a C++ autograd node launching the cubin Triton compiled), `fuselab, Python
 path` (the C++ path off: a Python autograd.Function and launch plans, which relaunch the compiled
 kernel without Triton's argument binding) and `fuselab, no launch plans` (the Python path without them).
-Modes: `host` is the host's time to enqueue one call; `eager` is `do_bench`'s time per call, host
-and device together. `python loop` times one pure-Python loop on the main thread and inside a
-backward (autograd's device thread), where a Python backward runs.""",
+Modes: `host` is the host's time to enqueue one call; `eager` is `do_bench`'s time per call after an
+L2 flush, whose GPU time hides as much host time. `python loop` times one pure-Python loop on the
+main thread and inside a backward (autograd's device thread), where a Python backward runs.""",
         command="python -m experiments.host_overhead --results",
         views=(View("us", index=("shape", "mode"), split=("op",), title="{op}: microseconds per call"),),
         orders={"op": ["fwd", "fwd+bwd", "python loop"], "mode": ["host", "eager", "loop", "wall"]},

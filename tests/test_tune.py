@@ -170,6 +170,29 @@ def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
     assert len(Results.load(out).runs) == 4
 
 
+def test_resume_retries_failures_only_when_asked(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "tune.json"
+    real_measure = sweep.measure
+    failing = {"first": True}
+
+    def once_failing(fn, mode, warmup_ms, rep_ms, config=None):
+        if config is not None and failing.pop("first", False):
+            raise RuntimeError("out of memory (another process held the GPU)")
+        return real_measure(fn, mode, warmup_ms, rep_ms, config)
+
+    monkeypatch.setattr(sweep, "measure", once_failing)
+    assert main(["--dry-run", "--out", str(out)]) == 0
+    (failed,) = Results.load(out).failed
+    assert "out of memory" in failed["error"]
+    measured = []
+    monkeypatch.setattr(sweep, "measure", lambda *a: measured.append(a) or real_measure(*a))
+    assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
+    assert measured == [] and len(Results.load(out).failed) == 1  # a resume skips a failure, as a timing
+    assert main(["--dry-run", "--out", str(out), "--resume", "--retry-failed"]) == 0
+    assert len(measured) == 1 and Results.load(out).failed == []
+    assert any(r.get("config") == failed["config"] for r in Results.load(out).rows)
+
+
 def test_budget_stops_and_resume_finishes(tmp_path, capsys):
     out = tmp_path / "tune.json"
     assert main(["--dry-run", "--out", str(out), "--budget-min", "0.0001"]) == 0  # spent while planning
@@ -415,6 +438,7 @@ def test_plots_leave_a_dtype_without_some_k_blank(swept, tmp_path):
     (["--budget-min", "soon"], "expected a positive number"),
     (["--jobs", "-1"], "must be >= 0"),
     (["--resume", "--overwrite"], "not allowed with"),
+    (["--retry-failed"], "--retry-failed goes with --resume"),
     (["--check-heldout", "--first-call"], "not allowed with"),
     (["--check-heldout", "--shapes", "12x34"], "MxNxK"),
     (["--check-heldout", "--dtypes", "fp64"], "unknown dtypes ['fp64']"),

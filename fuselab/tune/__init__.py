@@ -9,6 +9,7 @@ reads before it times anything (``fuselab.kernels._autotune``).
     python -m fuselab.tune                            # the default grid -> runs/tune-<gpu>.json
     python -m fuselab.tune --resume --budget-min 7    # continue it, stopping after 7 minutes (then again)
     python -m fuselab.tune --resume --write-configs   # ship the best configs (times what is left first)
+    python -m fuselab.tune --resume --retry-failed    # time again what failed (a resume skips it otherwise)
     python -m fuselab.tune --grid small               # a quick look: two shapes, bf16, forward and backward
     python -m fuselab.tune --grid my_grid.json        # blocks as in fuselab/tune/grid.py
     python -m fuselab.tune --dry-run                  # the tiny grid in the Triton interpreter (CPU, CI)

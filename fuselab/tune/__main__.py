@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue --out: skip what it already holds")
     again.add_argument("--overwrite", action="store_true", help="start --out over (a check: replace it)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume: time again what failed (else a resume skips it, as it does what was timed)")
     p.add_argument("--budget-min", type=positive_float, default=None,
                    help="stop starting new timings after this many minutes (saved; --resume continues)")
     p.add_argument("--write-configs", action="store_true",
@@ -90,6 +92,8 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error("--shapes, --dtypes, --layouts and --ops choose the checks' problems; the sweep's come from --grid")
     if check and (args.write_configs or args.budget_min is not None or args.resume):
         p.error("--write-configs, --budget-min and --resume are the sweep's")
+    if args.retry_failed and not args.resume:
+        p.error("--retry-failed goes with --resume (a new sweep times everything)")
     if args.dirty and args.commit is None:
         p.error("--dirty describes --commit: give both")
     if args.dry_run and args.write_configs and args.configs_dir is None:  # later interpreter runs would read them
@@ -165,7 +169,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs = args.jobs if args.jobs is not None else min(8, (os.cpu_count() or 2) // 2)
     options = Options(mode="wall" if INTERPRET else "eager", warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                       budget_s=args.budget_min * 60 if args.budget_min else None, jobs=0 if INTERPRET else jobs,
-                      commit=args.commit, dirty=args.dirty if args.commit else None, grid=grid_name)
+                      commit=args.commit, dirty=args.dirty if args.commit else None, grid=grid_name,
+                      retry_failed=args.retry_failed)
     study = "tune_heldout" if args.check_heldout else "tune_first_call" if args.first_call else "tune"
     out = args.out or Path("runs") / f"{study}-{_autotune.gpu_file_name()}.json"
     if args.resume and not out.exists():

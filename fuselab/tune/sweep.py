@@ -260,6 +260,7 @@ class Options:
     dirty: Optional[bool] = None
     grid: str = ""
     quiet: bool = False
+    retry_failed: bool = False  # a resume times again what failed before (a timeout, another process's memory)
 
 
 @dataclass
@@ -317,6 +318,10 @@ def sweep(problems: List[Problem], path: Path, options: Options, *, resume: bool
     env = {**environment(options.commit, options.dirty), "fingerprints": fingerprints(), "mode": options.mode,
            "grid": options.grid, "warmup_ms": options.warmup_ms, "rep_ms": options.rep_ms}
     results = open_results(path, resume, overwrite, env)
+    if options.retry_failed and results.failed:
+        if not options.quiet:
+            print(f"timing {len(results.failed)} failed configs and baselines again", file=sys.stderr)
+        results.failed = []
     results.start_run(env)
     planned = [p for p in plan(problems, results) if p.configs or p.baselines]
     total = sum(p.configs + p.baselines for p in planned)

@@ -49,7 +49,7 @@ kernels autotune on first use (once per GPU, cached): a fresh machine spends min
 
     python -m experiments.bench_quant --quick                     # 3 shapes + opt-1.3b prefill (runs/)
     python -m experiments.bench_quant --results                   # the full suite -> results/quant_gemm.json
-    python -m experiments.bench_quant --ops "int8 gemm,fp8 gemm" --results         # the GEMMs only,
+    python -m experiments.bench_quant --ops "int8 gemm,fp8 gemm" --results --merge # the GEMMs only,
     python -m experiments.bench_quant --ops prefill --sizes opt-1.3b,opt-350m --results --merge  # then prefill
     python -m experiments.report                                  # docs/results/quant_gemm.md from results/
     python -m experiments.bench_quant --ops prefill --sizes opt-1.3b --profile    # each prefill's top GPU kernels
@@ -75,6 +75,7 @@ from experiments.harness import (
     require_cuda,
     rotating,
     shape_dims,
+    subset_flags,
     time_alternating,
     time_call,
     tuned_choice,
@@ -524,6 +525,7 @@ def main(argv=None):
                    help="start no new shape or model after this many minutes (what ran is saved)")
     add_output_args(p)
     args = p.parse_args(argv)
+    partial = subset_flags(p, args, "quick", "shapes", "ops", "providers", "modes", "sizes", "tokens")
 
     def pick(text, known, what):
         names = list(known) if text == "all" else csv(text)
@@ -542,7 +544,7 @@ def main(argv=None):
         p.error(f"unknown providers {sorted(set(chosen) - known)} for ops {ops}: choose from {sorted(known)}")
     args.providers = {op: [n for n in reg.fns if n in chosen] if chosen else None for op, reg in PROVIDERS.items()}
     require_cuda("bench_quant")  # before any work
-    out = output_path(args, STUDY)
+    out = output_path(args, STUDY, subset=partial)
     from tqdm import tqdm
 
     results = Results(STUDY)

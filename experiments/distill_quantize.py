@@ -79,6 +79,7 @@ from experiments.harness import (
     positive_float,
     positive_int,
     require_cuda,
+    subset_flags,
     time_call,
 )
 from experiments.training import warmup_cosine_schedule
@@ -561,8 +562,6 @@ def parse_args(argv):
         p.error(f"--load-students {args.load_students}: no such folder")
     if args.load_students is not None and args.save_students is not None:
         p.error("--load-students and --save-students are exclusive")
-    if args.tiny and args.results:  # its models keep the real ones' names: a merge would mix them in one row
-        p.error("--tiny is a smoke run: its numbers do not go into results/ (drop --results, or write --out)")
     return p, args
 
 
@@ -575,7 +574,7 @@ def recipe(args) -> str:
 
 def main(argv=None):
     p, args = parse_args(argv)
-    out = output_path(args, STUDY)
+    out = output_path(args, STUDY, subset=subset_flags(p, args, "students", "skip_quant"))
     if args.merge and out.exists() and args.load_students is None:  # the summaries pool the file's seeds with these
         others = sorted({r.get("recipe") for r in Results.load(out).runs.values()} - {None, recipe(args)})
         if others:

@@ -393,7 +393,7 @@ route (`quantize_pt2e_x86`, static INT8 convolutions and Linears). Accuracy is o
 images; sizes are state_dict bytes; latencies are per batch (CPU: this machine's cores, wall; GPU:
 eager and replayed from a CUDA graph). See `experiments/distill_quantize.py` for the recipe.""",
         command="python -m experiments.distill_quantize --device cuda --data data/fashion-mnist --teacher-epochs 10 "
-                "--epochs 6 --seeds 0,1,2 --save-students runs/students --results, then on a CPU "
+                "--epochs 6 --seeds 0,1,2 --save-students runs/students --results --merge, then on a CPU "
                 "--load-students runs/students --merge --results",
         own_page="experiments.distill_quantize"),
 }

@@ -272,9 +272,11 @@ def test_merged_runs_get_fresh_summaries_over_every_seed(tmp_path):
                                                                                          second.run_id])
 
 
-def test_a_tiny_run_stays_out_of_the_published_results(capsys):
+def test_a_tiny_run_stays_out_of_the_published_results(monkeypatch):
     # Its models keep the real ones' names: merged, a tiny seed would average with an H200 run's.
-    assert "smoke run" in usage_error(capsys, ["--tiny", "--results"])
+    monkeypatch.setattr(dq, "load_data", None)  # refused before any work
+    with pytest.raises(SystemExit, match="--tiny is a smoke run"):
+        dq.main(["--tiny", "--results"])
 
 
 def test_one_seed_has_no_spread_and_a_merge_keeps_one_recipe(tmp_path, capsys):

@@ -44,7 +44,9 @@ def fuselab_check(a, b, bias):
 
 def check(results: Results, device: str, dtype: torch.dtype, M: int, N: int, K: int, mode: str) -> None:
     """Forward and gradients of every CHECK provider against a float64 reference: the largest relative
-    error of the four."""
+    error of the four. Seeded: near-zero pre-activations that PyTorch's rounding flips through the ReLU move its
+    error several-fold from one draw to the next, and with it the pass bar (4x PyTorch's)."""
+    torch.manual_seed(0)
     a = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
     b = torch.randn(K, N, device=device, dtype=dtype, requires_grad=True)
     bias = torch.randn(N, device=device, dtype=dtype, requires_grad=True)

@@ -147,6 +147,42 @@ def test_fx_rewrite():
     compare(model, patched, torch.randn(5, 8))
 
 
+class ReluBlock(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin, self.act = nn.Linear(width, width), nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+def test_a_sequential_of_blocks_has_each_block_traced_and_stays_a_sequential():
+    # Found by a probe: a Sequential root fused nothing (its own pop/append/insert/extend refused the whole-model
+    # trace, and the report named those as the model's methods). Each child is traced now, the root kept.
+    model = nn.Sequential(ReluBlock(), ReluBlock(), FxNet(), nn.Linear(4, 4))
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    assert type(patched) is nn.Sequential and len(patched) == 4
+    assert report.fused == ["0.lin", "1.lin", "2.fc1"], str(report)
+    assert {"2.fc2", "2.fc3", "3"} <= set(report.skipped) and "methods" not in str(report)
+    assert isinstance(patched[0], torch.fx.GraphModule) and type(patched[3]) is nn.Linear
+    compare(model, patched, torch.randn(5, 8))
+    names = []
+    _, report = fuse_linear_relu(copy.deepcopy(model), filter_fn=lambda name, layer: names.append(name) or
+                                 name != "1.lin")
+    assert report.fused == ["0.lin", "2.fc1"] and report.skipped["1.lin"] == "vetoed by filter_fn"
+    assert {"0.lin", "1.lin", "2.fc1"} <= set(names)
+
+    def veto(name, layer):
+        if name == "2.fc1":
+            raise RuntimeError("filter failed")
+        return True
+
+    blocks = list(model)
+    with pytest.raises(RuntimeError, match="filter failed"):  # raised after block 0 was traced: nothing changed
+        fuse_linear_relu(model, filter_fn=veto)
+    assert list(model) == blocks
+
+
 def test_nothing_to_fuse_is_unchanged():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     patched, report = fuse_linear_relu(model)

@@ -393,6 +393,8 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Option
             setattr(parent, act_key, nn.Identity().train(training))
             report.fused.append(name)
         report.method = "module patching"
+    elif type(model) is nn.Sequential:  # a GraphModule would lose its indexing and methods: each child is traced
+        others = _fuse_children_traced(model, filter_fn, report)
     elif not any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):  # HF: adapters only
         result, others = _fuse_traced(model, filter_fn, report)
     for name in report.fused:  # a Sequential's last Linear may be fused where the fx graph applies a ReLU
@@ -687,6 +689,26 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
                                   "which a torch.fx graph would freeze")
     gm.training = model.training
     return gm
+
+
+def _fuse_children_traced(model: nn.Sequential, filter_fn, report) -> str:
+    """The fx path on each child of a Sequential root, in place (a child ending in a Linear and a ReLU child after
+    it are not fused: neither trace sees both); why other Linear layers were left alone."""
+    rewritten, reasons = {}, []
+    for key, child in model.named_children():
+        child_report = FusionReport()
+        result, why = _fuse_traced(child, lambda name, layer: filter_fn(f"{key}.{name}", layer), child_report)
+        report.fused += [f"{key}.{name}" for name in child_report.fused]
+        report.skipped.update({f"{key}.{name}": why for name, why in child_report.skipped.items()})
+        if child_report.fused:
+            rewritten[key] = result
+        reasons.append(why)
+    for key, result in rewritten.items():  # every decision made (a raising filter_fn changed nothing)
+        setattr(model, key, result)
+    if rewritten:
+        report.method = "torch.fx rewrite of the Sequential's children"
+    return next((why for why in reasons if "could not run" in why), "not followed by ReLU, or its output is used "
+                "elsewhere (fx graphs of the Sequential's children)")
 
 
 def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:

@@ -185,7 +185,7 @@ def test_norms_that_others_read_or_that_readers_do_not_match_stay_float():
     assert type(post.model.decoder.layers[0].final_layer_norm) is nn.LayerNorm
     model = _opt(layers=1)
     report = quantize_(model, Int8DynamicActivationInt8WeightConfig(fuse_norms=True),
-                       filter_fn=lambda name, layer: not name.endswith("k_proj"))
+                       filter_fn=lambda layer, name: not name.endswith("k_proj"))
     why = report.norms_skipped["model.decoder.layers.0.self_attn_layer_norm"]
     assert "self_attn.k_proj not a dynamic Int8Linear" in why
     assert isinstance(model.model.decoder.layers[0].final_layer_norm, QuantizedLayerNorm)  # fc1 is one
@@ -197,7 +197,7 @@ def test_norms_that_others_read_or_that_readers_do_not_match_stay_float():
     model = _opt(layers=1)
     with pytest.raises(AttributeError, match="out_features"):
         quantize_(model, Int8DynamicActivationInt8WeightConfig(fuse_norms=True),
-                  filter_fn=lambda name, layer: layer.out_features >= 16)
+                  filter_fn=lambda layer, name: layer.out_features >= 16)
     assert not any(isinstance(m, (QuantizedLayerNorm, Int8Linear)) for m in model.modules())
     with pytest.raises(TypeError, match="fuse_norms must be True or False"):
         Int8DynamicActivationInt8WeightConfig(fuse_norms="yes")

@@ -660,7 +660,7 @@ def test_report_says_what_was_replaced_and_why_the_rest_was_not():
         "float64": nn.Linear(8, 8).double(), "vetoed": nn.Linear(8, 8), "shared": shared,
         "block": nn.ModuleDict({"again": shared}), "attn": nn.MultiheadAttention(8, 2), "masked": masked,
     })
-    report = quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda name, layer: name != "vetoed")
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda layer, name: name != "vetoed")
     assert set(report.replaced) == {"plain", "fused", "shared"}
     assert report.replaced["fused"] == "Int8Linear (ReLU fused into the epilogue)"
     assert model["block"]["again"] is model["shared"]  # a shared layer: one quantized layer in both places
@@ -1302,7 +1302,7 @@ def test_a_calibration_taken_in_fp32_serves_the_model_cast_to_bf16_and_a_foreign
 def test_a_backward_through_a_quantized_layer_raises_instead_of_dropping_gradients(kind):
     model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
     quantize_(model, Int8DynamicActivationInt8WeightConfig() if kind == "int8" else Float8RowwiseConfig(),
-              filter_fn=lambda name, layer: name == "2")
+              filter_fn=lambda layer, name: name == "2")
     out = model(torch.randn(3, 16))  # the forward runs with grad enabled
     out += 1  # in place after the layer: legal (its output is no view)
     with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
@@ -1325,7 +1325,7 @@ def test_a_compiled_backward_through_a_quantized_layer_raises_too():
     # Compiled, the guard was left out: the backward ran and `pre` got the residual's gradient only, silently.
     torch._dynamo.reset()
     model = _Residual()
-    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda name, layer: name == "mid")
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda layer, name: name == "mid")
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
         torch.compile(model, backend="aot_eager")(x).sum().backward()
@@ -1341,7 +1341,7 @@ def test_a_compiled_backward_through_a_quantized_layer_raises_too():
 def test_forward_mode_ad_through_a_quantized_layer_raises(config):
     # A custom op carries no tangent: jvp through a frozen model's quantized layer gave a zero tangent
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).requires_grad_(False)
-    quantize_(model, config, filter_fn=lambda name, layer: name == "2")
+    quantize_(model, config, filter_fn=lambda layer, name: name == "2")
     x, v = torch.randn(3, 8), torch.randn(3, 8)
     with pytest.raises(NotImplementedError, match="quantized layer .* has no forward-mode derivative"):
         torch.func.jvp(model, (x,), (v,))
@@ -1363,7 +1363,7 @@ def test_reverse_mode_transforms_and_jit_trace_say_a_quantized_layer_has_no_back
     # torch.func.grad/jacrev raised torch's "must override the setup_context staticmethod"; torch.jit.trace
     # with a grad-requiring input failed inside torch ("unordered_map::at")
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda name, layer: name == "1")
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda layer, name: name == "1")
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="quantized layer .* has no backward"):
         torch.func.grad(lambda x: model(x).sum())(x)

@@ -377,15 +377,16 @@ def _accounted(module: nn.Module) -> bool:
     return _linear_like(module) or isinstance(module, (_ConvNd, *QUANTIZED_LAYERS))
 
 
-def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[str, nn.Module], bool]] = None,
+def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
               calibration: Optional[Calibration] = None) -> QuantizationReport:
     """Replace ``model``'s ``nn.Linear``, transformers ``Conv1D``, ``FusedLinearReLU`` and ``FusedConv1DReLU``
     layers (and ``nn.Conv2d`` where the config says ``conv2d=True``) with quantized ones, in place.
 
     ``config``: an ``Int8DynamicActivationInt8WeightConfig``, ``Int8StaticActivationInt8WeightConfig``
     or ``Float8RowwiseConfig`` (or a type registered with ``register_quantize_module_handler``).
-    ``filter_fn(name, layer) -> bool`` may veto a layer. With ``calibration`` (from ``calibrate`` on
-    the float model) the report holds each replaced layer's relative error on its sampled inputs.
+    ``filter_fn(layer, name) -> bool`` may veto a layer (torchao's order: the module, then its fully
+    qualified name; ``fuse_linear_relu``'s is the other). With ``calibration`` (from ``calibrate`` on the
+    float model) the report holds each replaced layer's relative error on its sampled inputs.
     A Linear followed by a separate ReLU keeps the ReLU outside the GEMM: ``fuse_linear_relu`` first
     makes such pairs FusedLinearReLU, which this fuses into the epilogue. A config's ``fuse_norms=True``
     also makes the norms of known decoder layers whose readers are all quantized ``QuantizedLayerNorm``
@@ -421,7 +422,7 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[st
     for name, layer, parents in sites:
         why = (_why_not_quantized(layer, replaced, tuple(parents))
                or handler.why_not(layer, name, config))
-        if why is None and filter_fn is not None and not filter_fn(name, layer):
+        if why is None and filter_fn is not None and not filter_fn(layer, name):
             why = "vetoed by filter_fn"
         if why is not None:
             report.skipped[name] = why
@@ -504,7 +505,7 @@ def _plan_norms(model: nn.Module, fp8: bool, becomes: Dict[int, nn.Module], filt
                 if others:
                     why = (f"{', '.join(others)} not a dynamic {reader_type.__name__} (left float, or quantized "
                            "otherwise): only those read quantized rows")
-            if why is None and filter_fn is not None and not filter_fn(name, norm):
+            if why is None and filter_fn is not None and not filter_fn(norm, name):
                 why = "vetoed by filter_fn"
             if why is not None:
                 report.norms_skipped[name] = why

@@ -1563,8 +1563,9 @@ def test_scaled_gemm_epilogue_has_torchs_bits(kind):
     if kind == "int8":
         (a, a_scale), (w, b_scale) = quantize_int8_rowwise(torch.randn(M, K)), quantize_int8_rowwise(torch.randn(N, K))
         mm = int8_matmul
-    else:
-        (a, a_scale), (w, b_scale) = quantize_fp8_rowwise(torch.randn(M, K)), quantize_fp8_rowwise(torch.randn(N, K))
+    else:  # small integers: fp32 sums of their products are exact in any order, as int8's are
+        a, w = (torch.randint(-8, 9, shape).float().to(torch.float8_e4m3fn) for shape in ((M, K), (N, K)))
+        a_scale, b_scale = torch.rand(M) + 0.5, torch.rand(N) + 0.5
         mm = fp8_matmul
     bias = torch.randn(N)
     out = mm(a, w.t(), a_scale, b_scale, bias, True, torch.float32, backend="triton")

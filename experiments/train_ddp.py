@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="folder of Fashion-MNIST's four *-ubyte.gz files (or a torchvision FashionMNIST root)")
     p.add_argument("--epochs", type=harness.positive_int, default=5)
     p.add_argument("--steps", type=harness.positive_int, default=None,
-                   help="stop after this many optimizer steps in all (default: --epochs full epochs)")
+                   help="stop after this many optimizer steps in all, within --epochs (default: --epochs full epochs)")
     p.add_argument("--batch", type=harness.positive_int, default=256, help="images per rank per step")
     p.add_argument("--lr", type=harness.positive_float, default=0.1, help="learning rate of one rank; x world size")
     p.add_argument("--warmup-epochs", type=harness.non_negative_float, default=0.5)
@@ -170,6 +170,9 @@ def train(args, rt):
     steps_per_epoch = len(sampler) // args.batch
     if steps_per_epoch < 1:
         raise SystemExit(f"{n_train} training images are too few for {world} rank(s) x batch {args.batch}")
+    if args.steps and args.steps > args.epochs * steps_per_epoch:  # else the run ended early, said only in a log line
+        raise SystemExit(f"--steps {args.steps} is more than --epochs {args.epochs} x {steps_per_epoch} steps an epoch "
+                         f"({world} rank(s) x batch {args.batch}): give more --epochs, or fewer --steps")
     total_steps = min(args.steps or math.inf, args.epochs * steps_per_epoch)
 
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)

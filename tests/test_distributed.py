@@ -355,6 +355,8 @@ def test_train_ddp_script(tmp_path):
     assert [r.get("from_sample") for r in rows if r["metric"] == "train loss"] == [256]
     with pytest.raises(SystemExit, match="--lr 0.1 -> 0.5"):  # it trained on at the checkpoint's rate, logging 0.5
         train_ddp.main([*common, "--steps", "12", "--resume", "--lr", "0.5"])
+    with pytest.raises(SystemExit, match="--steps 20 is more than --epochs 1 x 16 steps an epoch"):  # ran 16, silently
+        train_ddp.main([*common, "--steps", "20", "--out", str(tmp_path / "t.json")])
 
 
 def test_an_out_folder_is_refused_before_the_run(tmp_path, capsys):

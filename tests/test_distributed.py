@@ -359,6 +359,17 @@ def test_train_ddp_script(tmp_path):
         train_ddp.main([*common, "--steps", "20", "--out", str(tmp_path / "t.json")])
 
 
+def test_train_ddp_refuses_a_full_run_on_the_cpu(capsys):
+    # Found by a probe: it started a 5-epoch ResNet-18 run (tqdm's estimate on this CPU: over an hour and a half)
+    from experiments import train_ddp
+
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--device", "cpu"])
+    assert "--tiny for a smoke run" in capsys.readouterr().err
+    for shorter in (["--tiny"], ["--limit-train", "512"], ["--steps", "3"]):
+        assert train_ddp.parse_args(["--device", "cpu", *shorter]).device == "cpu"
+
+
 def test_an_out_folder_is_refused_before_the_run(tmp_path, capsys):
     from experiments import train_ddp, train_fsdp
 

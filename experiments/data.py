@@ -71,6 +71,9 @@ def fashion_mnist(root: Path = FASHION_MNIST) -> List[Tuple[torch.Tensor, torch.
         from torchvision.datasets import FashionMNIST  # after the checks: a 2-3 s import
 
         splits = [FashionMNIST(str(root), train=train, download=False) for train in (True, False)]
+        for split, ds in zip(("train", "test"), splits):  # else an IndexError partway through training
+            if len(ds.data) != len(ds.targets) or len(ds.data) == 0:
+                raise ValueError(f"its {split} split has {len(ds.data)} images and {len(ds.targets)} labels")
     except DataNotFound:
         raise
     except (OSError, EOFError, RuntimeError, ValueError, AssertionError) as e:

@@ -434,6 +434,15 @@ def test_explicit_data_must_exist_and_be_whole(capsys, tmp_path, outdirs, monkey
                  "t10k-labels-idx1-ubyte"):
         (raw / name).write_bytes(b"\x00" * 64)
     assert "corrupt" in usage_error(capsys, train_mlp.main, ["--data", str(tmp_path / "tv"), "--epochs", "1"])
+    from test_distill_quantize import _idx
+
+    mixed = tmp_path / "mixed"  # found by a probe: 10k labels beside 60k images was an IndexError mid-training
+    mixed.mkdir()
+    for prefix, images, labels in (("train", 20, 10), ("t10k", 10, 10)):
+        _idx(mixed / f"{prefix}-images-idx3-ubyte.gz", torch.zeros(images, 28, 28, dtype=torch.uint8))
+        _idx(mixed / f"{prefix}-labels-idx1-ubyte.gz", torch.zeros(labels, dtype=torch.uint8))
+    err = usage_error(capsys, train_mlp.main, ["--data", str(mixed), "--epochs", "1"])
+    assert "corrupt" in err and "train split has 20 images and 10 labels" in err
     assert not outdirs[0].exists()
 
 

@@ -16,12 +16,14 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():  # the demo's point there is the kernels' code: an exported 0 would skip it
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by fuselab)
 
+from experiments import data as datasets  # noqa: E402
 from experiments.bench_matmul_relu import FWD  # noqa: E402
 from experiments.harness import ROOT, Providers, Results, add_output_args, output_path, pivot, rel_error, time_call  # noqa: E402
 from fuselab.kernels import matmul_relu  # noqa: E402
@@ -81,6 +83,11 @@ def main(argv=None):
     add_output_args(p)
     args = p.parse_args(argv)
     out = output_path(args, STUDY)
+    if args.data and not args.skip_mlp:  # stage 2's data, checked before stage 1 runs and saves
+        try:
+            datasets.fashion_mnist(Path(args.data))
+        except datasets.DataNotFound as e:
+            p.error(f"--data {args.data}: {e}")
     on_gpu = torch.cuda.is_available()
     results = Results(STUDY)
     results.set_baseline("fwd+bwd vs fp64", CHECK)

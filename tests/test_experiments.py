@@ -469,6 +469,17 @@ def test_quickstart_checks_against_float64(capsys, outdirs):
     assert set(err) == {(d, p) for d in ("fp32", "fp16", "bf16") for p in ("torch", "fuselab")}
     assert err["fp32", "fuselab"] < 1e-5
     assert all(err[d, "fuselab"] < 4 * err[d, "torch"] for d in ("fp16", "bf16"))
+    quickstart.main(["--skip-mlp"])  # seeded: the same figures again (the pass bar moved from draw to draw)
+    again = Results.load(outdirs[0] / "quickstart.json").select(metric="max rel err")
+    assert {(r["dtype"], r["provider"]): r["p50"] for r in again} == err
+
+
+def test_quickstart_checks_stage_twos_data_first(capsys, outdirs, tmp_path):
+    from experiments import quickstart
+
+    err = usage_error(capsys, quickstart.main, ["--data", str(tmp_path / "missing")])
+    assert "no Fashion-MNIST" in err and "Stage 1" not in capsys.readouterr().out
+    assert not outdirs[0].exists()  # stage 1 neither ran nor saved
 
 
 # ----------------------------------------------------------------------------------------------

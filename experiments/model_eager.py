@@ -210,6 +210,10 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     harness.add_output_args(p)
     args = p.parse_args(argv)
+    if args.iters % 2 == 0:
+        p.error(f"--iters must be odd (a round's p50 is one of its steps), got {args.iters}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     args.device = harness.parse_device(p, args.device, STUDY)
     # an OPT grid on a CPU runs for many minutes and measures nothing fuselab does there
     if args.device.type == "cpu" and args.sizes != ["tiny"]:

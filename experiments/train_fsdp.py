@@ -141,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if not 0 <= args.dropout < 1:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.bpe != p.get_default("bpe") and not args.bpe.is_file():  # else unnoticed where the tokens are cached
+        p.error(f"--bpe {args.bpe}: no such file (whisper's sdist holding gpt2.tiktoken)")
     if not 0 <= args.min_lr_ratio <= 1:
         p.error(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
     params = 12 * args.n_layer * args.n_embd ** 2 + padded_vocab(args) * args.n_embd  # blocks, tied embedding

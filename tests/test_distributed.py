@@ -373,6 +373,10 @@ def test_train_ddp_refuses_a_full_run_on_the_cpu(capsys):
 def test_an_out_folder_is_refused_before_the_run(tmp_path, capsys):
     from experiments import train_ddp, train_fsdp
 
+    with pytest.raises(SystemExit):  # found by a probe: ignored where the tokens were cached
+        train_fsdp.parse_args(["--tiny", "--device", "cpu", "--bpe", str(tmp_path / "missing.tar.gz")])
+    assert "missing.tar.gz: no such file" in capsys.readouterr().err
+
     for parse in (train_ddp.parse_args, train_fsdp.parse_args):
         with pytest.raises(SystemExit, match=f"--out {tmp_path} is a folder"):
             parse(["--tiny", "--device", "cpu", "--out", str(tmp_path)])

@@ -364,6 +364,7 @@ BAD_ARGS = [
     (compile_speedup, "--budget-min", "0"), (bench_matmul_relu, "--rep-ms", "0"),
     (host_overhead, "--shapes", "0x8x8"), (host_overhead, "--shapes", "8x8"),
     (bench_quant, "--rep-ms", "0"), (bench_quant, "--budget-min", "0"), (bench_quant, "--tokens", "8x0"),
+    (model_eager, "--iters", "4"), (model_eager, "--warmup", "-1"),
 ]
 
 

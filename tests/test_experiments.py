@@ -505,7 +505,7 @@ def test_model_eager_times_stock_and_patched_decoders(tmp_path, monkeypatch, cap
         return time_call(fn, mode, **kwargs)
 
     monkeypatch.setattr(model_eager.harness, "time_call", recording)
-    res = model_eager.main(["--sizes", "tiny", "--tokens", "1x8", "--device", "cpu", "--iters", "2", "--warmup", "0",
+    res = model_eager.main(["--sizes", "tiny", "--tokens", "1x8", "--device", "cpu", "--iters", "1", "--warmup", "0",
                             "--rounds", "3", "--out", str(tmp_path / "me.json")])
     # per task, the two variants' rounds alternate: a b, b a, a b (drift hits both alike)
     for task in range(2):

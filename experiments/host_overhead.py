@@ -28,17 +28,8 @@ import time
 
 import torch
 
-from experiments.harness import (
-    Providers,
-    Results,
-    Timing,
-    add_output_args,
-    output_path,
-    pivot,
-    require_cuda,
-    subset_flags,
-    time_call,
-)
+from experiments import harness
+from experiments.harness import Providers, Results, Timing, add_output_args, output_path, pivot, require_cuda, time_call
 from fuselab.kernels import eager_path, matmul_relu
 
 STUDY = "host_overhead"
@@ -181,7 +172,7 @@ def main(argv=None):
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - {"host", "eager"}:
         p.error(f"unknown modes {sorted(set(modes) - {'host', 'eager'})}: choose from ['host', 'eager']")
-    out = output_path(args, STUDY, subset=subset_flags(p, args, "shapes", "modes"))
+    out = output_path(args, STUDY, subset=harness.subset_flags(p, args, "shapes", "modes"))
     results = Results(STUDY)
     for op in ("fwd", "fwd+bwd"):
         results.set_baseline(op, CALLS)

@@ -188,6 +188,12 @@ def test_resume_retries_failures_only_when_asked(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep, "measure", lambda *a: measured.append(a) or real_measure(*a))
     assert main(["--dry-run", "--out", str(out), "--resume"]) == 0
     assert measured == [] and len(Results.load(out).failed) == 1  # a resume skips a failure, as a timing
+    # a budget spent before the retry keeps the failure recorded (it was cleared first: lost, never retried)
+    monkeypatch.setattr(sweep, "_over_budget", lambda options, start: options.budget_s is not None)
+    assert main(["--dry-run", "--out", str(out), "--resume", "--retry-failed", "--budget-min", "1"]) == 0
+    assert measured == [] and len(Results.load(out).failed) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(sweep, "measure", lambda *a: measured.append(a) or real_measure(*a))
     assert main(["--dry-run", "--out", str(out), "--resume", "--retry-failed"]) == 0
     assert len(measured) == 1 and Results.load(out).failed == []
     assert any(r.get("config") == failed["config"] for r in Results.load(out).rows)

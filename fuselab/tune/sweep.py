@@ -111,15 +111,40 @@ def op_name(launch: Launch, problem: Problem) -> str:
     return f"{launch.product} {problem.layout}"
 
 
-def done_configs(results: Results) -> Set[Tuple[str, str, str]]:
-    """(kernel, key, config) already timed, or failed, in ``results``."""
-    return {(r["kernel"], r["key"], r["config"]) for r in results.rows + results.failed if "config" in r}
+def done_configs(results: Results, entries: Optional[List[dict]] = None) -> Set[Tuple[str, str, str]]:
+    """(kernel, key, config) already timed, or failed, in ``results`` (or among ``entries`` of it)."""
+    entries = results.rows + results.failed if entries is None else entries
+    return {(r["kernel"], r["key"], r["config"]) for r in entries if "config" in r}
 
 
-def done_baselines(results: Results) -> Set[Tuple[str, str, str]]:
-    """(op, shape, dtype) whose baseline was timed (or failed) in ``results``."""
-    return {(r["op"], r["shape"], r["dtype"]) for r in results.rows + results.failed
+def done_baselines(results: Results, entries: Optional[List[dict]] = None) -> Set[Tuple[str, str, str]]:
+    """(op, shape, dtype) whose baseline was timed (or failed) in ``results`` (or among ``entries`` of it)."""
+    entries = results.rows + results.failed if entries is None else entries
+    return {(r["op"], r["shape"], r["dtype"]) for r in entries
             if "config" not in r and results.baselines.get(r["op"]) == r["provider"]}
+
+
+@dataclass
+class Retry:
+    """``--retry-failed``: the failures a resume times again. Each stays recorded until timed anew (a budget stop
+    or an interrupt keeps the rest for a later resume)."""
+    configs: Set[Tuple[str, str, str]] = field(default_factory=set)
+    baselines: Set[Tuple[str, str, str]] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, results: Results) -> "Retry":
+        return cls(done_configs(results, results.failed), done_baselines(results, results.failed))
+
+    def take(self, results: Results, config: Optional[Tuple[str, str, str]] = None,
+             baseline: Optional[Tuple[str, str, str]] = None) -> None:
+        """Before timing ``config`` or ``baseline`` again: its old failure entry goes."""
+        if config in self.configs:
+            self.configs.discard(config)
+            results.failed = [f for f in results.failed if (f.get("kernel"), f.get("key"), f.get("config")) != config]
+        if baseline in self.baselines:
+            self.baselines.discard(baseline)
+            results.failed = [f for f in results.failed
+                              if "config" in f or (f["op"], f["shape"], f["dtype"]) != baseline]
 
 
 @dataclass
@@ -142,10 +167,11 @@ def _kind(launch: Launch) -> tuple:
     return launch.kernel, flags, ints, const
 
 
-def plan(problems: List[Problem], results: Results) -> List[Planned]:
+def plan(problems: List[Problem], results: Results, retry: Optional[Retry] = None) -> List[Planned]:
     """Each problem's work left, in order; a (kernel, key) goes to the first problem that launches it."""
-    taken = done_configs(results)
-    baselines = done_baselines(results)
+    retry = retry or Retry()
+    taken = done_configs(results) - retry.configs
+    baselines = done_baselines(results) - retry.baselines
     out = []
     for problem in problems:
         entry = KERNELS[problem.kernel]
@@ -318,12 +344,11 @@ def sweep(problems: List[Problem], path: Path, options: Options, *, resume: bool
     env = {**environment(options.commit, options.dirty), "fingerprints": fingerprints(), "mode": options.mode,
            "grid": options.grid, "warmup_ms": options.warmup_ms, "rep_ms": options.rep_ms}
     results = open_results(path, resume, overwrite, env)
-    if options.retry_failed and results.failed:
-        if not options.quiet:
-            print(f"timing {len(results.failed)} failed configs and baselines again", file=sys.stderr)
-        results.failed = []
+    retry = Retry.of(results) if options.retry_failed else Retry()
+    if (retry.configs or retry.baselines) and not options.quiet:
+        print(f"timing {len(retry.configs) + len(retry.baselines)} failed configs and baselines again", file=sys.stderr)
     results.start_run(env)
-    planned = [p for p in plan(problems, results) if p.configs or p.baselines]
+    planned = [p for p in plan(problems, results, retry) if p.configs or p.baselines]
     total = sum(p.configs + p.baselines for p in planned)
     if not options.quiet:
         print(f"{len(problems)} problems, {len(planned)} with work left: {sum(p.configs for p in planned)} configs "
@@ -337,12 +362,12 @@ def sweep(problems: List[Problem], path: Path, options: Options, *, resume: bool
                 if _over_budget(options, start):
                     break
                 bar.set_postfix_str(str(item.problem))
-                timed += _time_problem(item.problem, results, options, bar, start)
+                timed += _time_problem(item.problem, results, options, bar, start, retry)
                 results.save(path)
     finally:
         bar.close()
         results.save(path)
-    left = sum(p.configs + p.baselines for p in plan(problems, results)) if _over_budget(options, start) else 0
+    left = sum(p.configs + p.baselines for p in plan(problems, results, retry)) if _over_budget(options, start) else 0
     return Outcome(path, results, timed, left)
 
 
@@ -365,10 +390,10 @@ def _over_budget(options: Options, start: float) -> bool:
     return options.budget_s is not None and time.monotonic() - start > options.budget_s
 
 
-def _time_problem(problem: Problem, results: Results, options: Options, bar, start: float) -> int:
+def _time_problem(problem: Problem, results: Results, options: Options, bar, start: float, retry: Retry) -> int:
     """Time what is left of ``problem``; the number of configs timed (stops early past the budget)."""
     entry = KERNELS[problem.kernel]
-    done, baselines = done_configs(results), done_baselines(results)
+    done, baselines = done_configs(results) - retry.configs, done_baselines(results) - retry.baselines
     timed = 0
     with entry.context(problem):
         launches = entry.launches(problem, device(), torch.randn, execute=True)
@@ -385,6 +410,7 @@ def _time_problem(problem: Problem, results: Results, options: Options, bar, sta
                 if _over_budget(options, start):
                     return timed
                 keys = dict(common, provider=short_name(config), **extra, config=str(config))
+                retry.take(results, config=(launch.kernel, key, str(config)))
                 try:
                     value = measure(lambda: launch.run(config), options.mode, options.warmup_ms, options.rep_ms,
                                     config)
@@ -398,6 +424,7 @@ def _time_problem(problem: Problem, results: Results, options: Options, bar, sta
             if (op, problem.shape, problem.dtype) not in baselines:
                 provider, fn = entry.baseline(launch)
                 results.baselines[op] = provider
+                retry.take(results, baseline=(op, problem.shape, problem.dtype))
                 try:
                     value = measure(fn, options.mode, options.warmup_ms, options.rep_ms)
                 except Exception as e:  # noqa: BLE001

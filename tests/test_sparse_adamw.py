@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -548,6 +549,16 @@ def test_lr_scheduler_and_closure():
 def test_bad_hyperparameters(kwargs, words):
     with pytest.raises(ValueError, match=words):
         SparseAdamW([torch.nn.Parameter(torch.randn(2))], **kwargs)
+
+
+def test_hyperparameters_as_torch_adamw_takes_them():
+    # A probe found 0-d tensor weight_decay and eps refused by the check for non-numbers (torch.optim.AdamW takes them)
+    for kwargs in (dict(weight_decay=torch.tensor(0.01)), dict(eps=torch.tensor(1e-8)), dict(lr=torch.tensor(0.1)),
+                   dict(lr=np.float32(0.1))):
+        p = torch.nn.Parameter(torch.ones(3, 2))
+        p.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (3, 2))
+        SparseAdamW([p], **kwargs).step()
+        assert not torch.equal(p[1], torch.ones(2)) and torch.equal(p[0], torch.ones(2)), kwargs
 
 
 def test_bad_hyperparameters_of_a_param_group():

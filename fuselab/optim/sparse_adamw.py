@@ -15,8 +15,7 @@ def _check_hyperparameters(group: dict) -> None:
     """ValueError naming the first bad hyperparameter of a parameter group."""
     for name in ("lr", "eps", "weight_decay"):  # else a bare TypeError of a comparison, naming nothing
         value = group[name]
-        if isinstance(value, bool) or not (isinstance(value, numbers.Real) or
-                                           (name == "lr" and isinstance(value, torch.Tensor))):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
             raise ValueError(f"invalid {name} {value!r}: must be a real number")
     if group["foreach"] and group["fused"]:
         raise ValueError("foreach=True and fused=True cannot be used together (torch.optim.AdamW refuses them too)")
@@ -86,10 +85,12 @@ class SparseAdamW(torch.optim.Optimizer):
     step runs eagerly; after three failures the parameter is updated eagerly for good.
 
     ``amsgrad`` applies to dense gradients only. Raises ValueError at construction (and in
-    ``add_param_group``) for lr, eps or weight_decay < 0, betas that are not two numbers in [0, 1),
-    and fused=True with complex parameters; at ``step()`` for a sparse gradient in a group with
-    amsgrad=True and a sparse gradient that is not a row-sparse COO tensor of a parameter with
-    contiguous rows; IndexError at ``step()`` for a row id outside its parameter's rows; each before any
+    ``add_param_group``) for lr, eps or weight_decay that are not numbers >= 0, betas that are not two
+    numbers in [0, 1), foreach=True with fused=True, and fused=True with complex parameters; at ``step()``
+    for a sparse gradient in a group with amsgrad=True, a sparse gradient that is not a row-sparse COO
+    tensor of a parameter with contiguous rows that do not overlap in memory, and optimizer state of
+    another shape than its parameter; TypeError at ``step()`` for a sparse gradient of a parameter that is
+    not floating-point or complex; IndexError at ``step()`` for a row id outside its parameter's rows; each before any
     parameter of the step or its step count changes (on CUDA, where checking ids on the host would wait for
     the GPU, a device-side assert instead, as at ``nn.Embedding``'s id out of range: it ends the process's
     CUDA context). State (``exp_avg``, ``exp_avg_sq``) is kept in the parameter's dtype, as

@@ -64,7 +64,6 @@ from experiments.harness import (
     require_cuda,
     rotating,
     shape_dims,
-    subset_flags,
     time_call,
     tuned_choice,
 )
@@ -378,9 +377,6 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="print the jobs and their providers, measure nothing")
     add_output_args(p)
     args = p.parse_args(argv)
-    # what measures part of the study (the CUDA reference's, matmul_relu_cuda, is its forward: --cuda --ops fwd)
-    partial = subset_flags(p, args, "quick", "shapes", "dtypes", "b_layouts", "tf32_shapes", "providers", "modes",
-                           "inductor", *(() if args.cuda else ("ops",)))
 
     def pick(text, known, what):
         names = list(known) if text == "all" else [] if text == "none" else csv(text)
@@ -416,7 +412,7 @@ def main(argv=None):
         return jobs
     require_cuda("bench_matmul_relu")  # before any work
     study = CUDA_STUDY if args.cuda else STUDY
-    out = output_path(args, study, subset=partial)
+    out = output_path(args, study)
     from tqdm import tqdm
 
     torch.set_float32_matmul_precision("high")

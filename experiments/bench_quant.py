@@ -75,7 +75,6 @@ from experiments.harness import (
     require_cuda,
     rotating,
     shape_dims,
-    subset_flags,
     time_alternating,
     time_call,
     tuned_choice,
@@ -525,7 +524,6 @@ def main(argv=None):
                    help="start no new shape or model after this many minutes (what ran is saved)")
     add_output_args(p)
     args = p.parse_args(argv)
-    partial = subset_flags(p, args, "quick", "shapes", "ops", "providers", "modes", "sizes", "tokens")
 
     def pick(text, known, what):
         names = list(known) if text == "all" else csv(text)
@@ -544,7 +542,7 @@ def main(argv=None):
         p.error(f"unknown providers {sorted(set(chosen) - known)} for ops {ops}: choose from {sorted(known)}")
     args.providers = {op: [n for n in reg.fns if n in chosen] if chosen else None for op, reg in PROVIDERS.items()}
     require_cuda("bench_quant")  # before any work
-    out = output_path(args, STUDY, subset=partial)
+    out = output_path(args, STUDY)
     from tqdm import tqdm
 
     results = Results(STUDY)

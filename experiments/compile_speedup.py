@@ -49,7 +49,6 @@ from experiments.harness import (
     pivot,
     positive_float,
     positive_int,
-    subset_flags,
     time_call,
     time_first_call,
 )
@@ -231,7 +230,6 @@ def main(argv=None):
                    "its configurations (machine drift hits all of them alike); rows report the mean")
     add_output_args(p)
     args = p.parse_args(argv)
-    partial = subset_flags(p, args, "models", "modes", "precisions", "tasks", "plan")
     if args.modes is None:
         args.modes = "eager,default" if args.tiny else ",".join(MODES)
     grid = parse_plan(args, p)  # usage errors first
@@ -241,7 +239,7 @@ def main(argv=None):
                              "smoke test on the CPU; --device cpu runs the full grid here anyway (hours)")
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = parse_device(p, args.device, STUDY)
-    out = output_path(args, STUDY, subset=partial)
+    out = output_path(args, STUDY)
     results = Results(STUDY, device=device)
     results.annotate(tiny=args.tiny)
     for model, task, *_ in grid:

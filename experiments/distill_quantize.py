@@ -79,7 +79,6 @@ from experiments.harness import (
     positive_float,
     positive_int,
     require_cuda,
-    subset_flags,
     time_call,
 )
 from experiments.training import warmup_cosine_schedule
@@ -574,7 +573,7 @@ def recipe(args) -> str:
 
 def main(argv=None):
     p, args = parse_args(argv)
-    out = output_path(args, STUDY, subset=subset_flags(p, args, "students", "skip_quant"))
+    out = output_path(args, STUDY)
     if args.merge and out.exists() and args.load_students is None:  # the summaries pool the file's seeds with these
         others = sorted({r.get("recipe") for r in Results.load(out).runs.values()} - {None, recipe(args)})
         if others:

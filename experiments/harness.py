@@ -236,18 +236,19 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON to write (default: runs/<study>.json, not committed)")
     parser.add_argument("--results", action="store_true",
-                        help="write the committed results/<study>.json that the docs are generated from")
+                        help="merge into the committed results/<study>.json that the docs are generated from")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows already in the output file that this run does not measure again "
-                             "(rows measured on another type of device, a GPU's beside a CPU run's, are kept)")
+                             "(rows measured on another type of device, a GPU's beside a CPU run's, are kept); "
+                             "--results always merges")
 
 
-def output_path(args: argparse.Namespace, study: str, *, smoke: Optional[str] = None,
-                subset: Optional[str] = None) -> Path:
-    """Where the results go; SystemExit, before the work, for exclusive flags, an --out that is a folder, and
-    committed results a run would lose: ``smoke`` (the flag that makes this run a smoke run, e.g. "--tiny") keeps
-    it out of results/; ``subset`` (the flag that makes it measure part of the study) needs --merge there, as
-    does a file holding rows of another type of device than this run's (``args.device``, else the GPU if any)."""
+def output_path(args: argparse.Namespace, study: str, *, smoke: Optional[str] = None) -> Path:
+    """Where the results go; SystemExit, before the work, for exclusive flags, an --out that is a folder, a smoke
+    run (``smoke``: the flag that makes it one, e.g. "--tiny", the default) bound for results/, and a file of
+    another study to merge into. The committed results/ is only ever merged into (``args.merge`` set): a row
+    there goes when the same labels are measured again (or fail), never because a run, a partial one (--quick,
+    a budget, an interrupt) or one on another device, did not measure it."""
     if args.out is not None and args.results:
         raise SystemExit("--out and --results are exclusive")
     if args.out is not None and args.out.is_dir():
@@ -255,33 +256,17 @@ def output_path(args: argparse.Namespace, study: str, *, smoke: Optional[str] = 
     smoke = smoke or ("--tiny" if getattr(args, "tiny", False) else None)
     if smoke and args.results:  # its rows carry the real runs' labels: they would replace them
         raise SystemExit(f"{smoke} is a smoke run: its numbers do not go into results/ (drop --results, or give --out)")
+    if args.results:
+        args.merge = True
     path = args.out if args.out is not None else (RESULTS if args.results else RUNS) / f"{study}.json"
-    merge = getattr(args, "merge", False)
-    if not path.exists() or not (merge or args.results):
-        return path
-    try:
-        held = Results.load(path)
-    except ValueError as e:
-        raise SystemExit(f"{'--merge' if merge else '--results'}: {e}") from None
-    if held.study != study:
-        raise SystemExit(f"{path} holds study {held.study!r}, not {study!r}")
-    if args.results and not merge:
-        device = torch.device(getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")).type
-        others = sorted({d for d in held.devices() if d != device})
-        if subset or others:
-            why = f"{subset} measures part of the study" if subset else f"it holds rows measured on {', '.join(others)}"
-            raise SystemExit(f"--results would replace {path}, and {why}: add --merge to keep its other rows, "
-                             "or give --out")
+    if getattr(args, "merge", False) and path.exists():  # a file it cannot merge into: said before the work
+        try:
+            held = Results.load(path).study
+        except ValueError as e:
+            raise SystemExit(f"--merge: {e}") from None
+        if held != study:
+            raise SystemExit(f"--merge: {path} holds study {held!r}, not {study!r}")
     return path
-
-
-def subset_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, *dests: str) -> Optional[str]:
-    """The options among ``dests`` given other values than their defaults ("--quick, --ops"), or None: what makes a
-    run measure part of its study (``output_path``'s ``subset``). Call it on ``args`` as parsed, before any
-    option is rewritten."""
-    defaults = parser.parse_args([])  # string defaults through their type= as given values are
-    changed = [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != getattr(defaults, d)]
-    return ", ".join(changed) or None
 
 
 def shape_dims(name: str) -> Tuple[int, int, int]:

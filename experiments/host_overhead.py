@@ -28,7 +28,6 @@ import time
 
 import torch
 
-from experiments import harness
 from experiments.harness import Providers, Results, Timing, add_output_args, output_path, pivot, require_cuda, time_call
 from fuselab.kernels import eager_path, matmul_relu
 
@@ -172,7 +171,7 @@ def main(argv=None):
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - {"host", "eager"}:
         p.error(f"unknown modes {sorted(set(modes) - {'host', 'eager'})}: choose from ['host', 'eager']")
-    out = output_path(args, STUDY, subset=harness.subset_flags(p, args, "shapes", "modes"))
+    out = output_path(args, STUDY)
     results = Results(STUDY)
     for op in ("fwd", "fwd+bwd"):
         results.set_baseline(op, CALLS)

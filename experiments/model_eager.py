@@ -219,8 +219,7 @@ def main(argv=None):
     if args.device.type == "cpu" and args.sizes != ["tiny"]:
         p.error(f"--sizes {','.join(args.sizes)} on the CPU: the patched models run PyTorch's ops there; use "
                 "--sizes tiny for a smoke run of the machinery, or run on a GPU")
-    path = harness.output_path(args, STUDY, smoke="--sizes tiny" if "tiny" in args.sizes else None,
-                               subset=harness.subset_flags(p, args, "sizes", "tokens", "tasks", "modes", "variants"))
+    path = harness.output_path(args, STUDY, smoke="--sizes tiny" if "tiny" in args.sizes else None)
     results = run(args)
     print(report(results))
     print(f"saved {results.save(path, merge=args.merge)}")

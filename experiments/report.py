@@ -1058,8 +1058,9 @@ def index_page(studies: Dict[str, Results]) -> str:
         "triton, CUDA, commit and a `dirty` flag, date). Each op names a baseline provider; the `x <baseline>` "
         "ratios in these pages are computed from the medians when the pages are generated, never stored.", "",
         "The committed files are `results/<study>.json`; a script writes them only with `--results` (by "
-        "default it writes `runs/<study>.json`, which git ignores), atomically, and with `--merge` keeps the "
-        "rows of earlier runs that it does not measure again. Runs marked `converted from` were measured "
+        "default it writes `runs/<study>.json`, which git ignores), atomically, and only merges into them: a "
+        "row goes when its labels are measured again (or fail), never because a later run did not measure it "
+        "(smoke runs such as `--tiny` are refused there). Runs marked `converted from` were measured "
         "before the harness existed and converted from the old files (their commit, date and GPU kept; their "
         "times were medians or means, so p20 = p50 = p80 there, and their stored ratios were dropped).", "",
         markdown_table(["study", "name", "rows", "runs", "latest"], lines), ""])

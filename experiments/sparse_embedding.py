@@ -62,7 +62,6 @@ from experiments.harness import (
     peak_memory_mib,
     positive_int,
     require_cuda,
-    subset_flags,
     sync,
     synchronizing_calls,
     time_alternating,
@@ -489,8 +488,7 @@ def main(argv=None) -> Results:
         if given:
             p.error(f"{', '.join(given)} shape(s) the --throughput measurement: add --throughput")
     device = parse_device(p, args.device, STUDY)
-    out = output_path(args, STUDY, subset=subset_flags(p, args, "quick", "streams") or (
-        None if args.throughput else "a run without --throughput"))
+    out = output_path(args, STUDY)
     ratings = load_ratings(args.data)  # every input is read before any measurement
     tokens = load_tokens(args.tokens, args.corpus, args.sdist) if args.throughput and "gpt2" in names else None
 

@@ -316,40 +316,35 @@ def test_output_goes_to_runs_unless_asked(outdirs):
         harness.output_path(p.parse_args(["--out", "x.json", "--results"]), "s")
 
 
-def test_results_a_run_would_lose_are_refused_before_the_work(outdirs):
+def test_results_are_only_merged_into_and_smoke_runs_stay_out(outdirs):
     # Found by a probe: `train_fsdp --tiny --device cpu --results` replaced the committed H200 rows by a CPU smoke
-    # run's (the README's MFU headline went with them); a partial run (--quick, --ops) dropped the rest of a study.
+    # run's (the README's MFU headline went with them); partial runs (--quick, a budget, an interrupt) dropped
+    # the rest of a study. results/ is only merged into now, and smoke runs are refused there.
     import argparse
 
     _, results = outdirs
     p = argparse.ArgumentParser()
     harness.add_output_args(p)
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--ops", default="a,b")
     with pytest.raises(SystemExit, match="--tiny is a smoke run"):
         harness.output_path(p.parse_args(["--tiny", "--results", "--merge"]), "s")
     with pytest.raises(SystemExit, match="--sizes tiny is a smoke run"):
         harness.output_path(p.parse_args(["--results"]), "s", smoke="--sizes tiny")
     assert harness.output_path(p.parse_args(["--tiny"]), "s").name == "s.json"  # runs/: fine
-    gpu = Results("s", device="cuda")  # a GPU run's rows
+    gpu = Results("s", device="cuda")  # a GPU run's rows, and one this CPU run measures again
     _row(gpu, "base", 1.0)
+    _row(gpu, "other", 2.0)
     gpu.save(results / "s.json")
-    cpu_run = p.parse_args(["--results"])
-    with pytest.raises(SystemExit, match="holds rows measured on cuda: add --merge"):
-        harness.output_path(cpu_run, "s")
-    assert harness.output_path(p.parse_args(["--results", "--merge"]), "s") == results / "s.json"
-    gpu_run = p.parse_args(["--results", "--device", "cuda", "--quick", "--ops", "a"])
-    partial = harness.subset_flags(p, gpu_run, "quick", "ops", "device")
-    assert partial == "--quick, --ops, --device"
-    with pytest.raises(SystemExit, match="--quick, --ops, --device measures part of the study: add --merge"):
-        harness.output_path(gpu_run, "s", subset=partial)
-    whole = p.parse_args(["--results", "--device", "cuda", "--ops", "a,b"])  # the default given: not a subset
-    assert harness.subset_flags(p, whole, "quick", "ops") is None
-    assert harness.output_path(whole, "s", subset=None) == results / "s.json"
+    args = p.parse_args(["--results"])
+    path = harness.output_path(args, "s")
+    assert path == results / "s.json" and args.merge
+    cpu = Results("s", device="cpu")
+    _row(cpu, "base", 3.0)
+    cpu.save(path, merge=args.merge)
+    assert sorted((r["provider"], r["p50"]) for r in Results.load(path).rows) == [("base", 1.0), ("base", 3.0),
+                                                                                  ("other", 2.0)]
     with pytest.raises(SystemExit, match="holds study 's', not 't'"):
-        harness.output_path(p.parse_args(["--out", str(results / "s.json"), "--merge"]), "t")
+        harness.output_path(p.parse_args(["--out", str(path), "--merge"]), "t")
 
 
 # ----------------------------------------------------------------------------------------------

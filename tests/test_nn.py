@@ -183,6 +183,32 @@ def test_a_sequential_of_blocks_has_each_block_traced_and_stays_a_sequential():
     assert list(model) == blocks
 
 
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)  # data-dependent: fx cannot trace it
+
+
+def test_nested_and_repeated_children_of_sequentials_and_each_childs_reason():
+    # Found by a probe: a nested plain Sequential fused nothing (the refused whole-model trace one level down), a
+    # block under two keys was fused under one, and one child's "could not run" was every child's reason.
+    shared = ReluBlock()
+    model = nn.Sequential(nn.Sequential(ReluBlock(), shared), shared, Untraceable(), nn.Sequential(nn.Tanh()))
+    patched, report = fuse_linear_relu(copy.deepcopy(model))
+    assert report.fused == ["0.0.lin", "0.1.lin", "1.lin"], str(report)
+    assert type(patched[0]) is nn.Sequential and patched[0][1] is patched[1]  # still one module, fused once
+    assert "could not run" in report.skipped["2.fc"], str(report)
+    compare(model, patched, torch.randn(5, 8).abs())
+    vetoed = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="no"):  # a veto raised in the nested Sequential: nothing changed
+        fuse_linear_relu(vetoed, filter_fn=lambda name, layer: (_ for _ in ()).throw(RuntimeError("no"))
+                         if name == "0.1.lin" else True)
+    assert all(type(m) is not FusedLinearReLU and not isinstance(m, torch.fx.GraphModule) for m in vetoed.modules())
+
+
 def test_nothing_to_fuse_is_unchanged():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     patched, report = fuse_linear_relu(model)

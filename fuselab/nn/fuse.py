@@ -393,7 +393,7 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Option
             setattr(parent, act_key, nn.Identity().train(training))
             report.fused.append(name)
         report.method = "module patching"
-    elif type(model) is nn.Sequential:  # a GraphModule would lose its indexing and methods: each child is traced
+    elif _plain_sequential(model):  # a GraphModule would lose its indexing and methods: each child is traced
         others = _fuse_children_traced(model, filter_fn, report)
     elif not any(cls.__module__.startswith("transformers.") for cls in type(model).__mro__):  # HF: adapters only
         result, others = _fuse_traced(model, filter_fn, report)
@@ -692,23 +692,47 @@ def _trace(model: nn.Module) -> torch.fx.GraphModule:
 
 
 def _fuse_children_traced(model: nn.Sequential, filter_fn, report) -> str:
-    """The fx path on each child of a Sequential root, in place (a child ending in a Linear and a ReLU child after
-    it are not fused: neither trace sees both); why other Linear layers were left alone."""
-    rewritten, reasons = {}, []
-    for key, child in model.named_children():
-        child_report = FusionReport()
-        result, why = _fuse_traced(child, lambda name, layer: filter_fn(f"{key}.{name}", layer), child_report)
-        report.fused += [f"{key}.{name}" for name in child_report.fused]
-        report.skipped.update({f"{key}.{name}": why for name, why in child_report.skipped.items()})
-        if child_report.fused:
-            rewritten[key] = result
-        reasons.append(why)
-    for key, result in rewritten.items():  # every decision made (a raising filter_fn changed nothing)
-        setattr(model, key, result)
-    if rewritten:
+    """The fx path on each child of a plain Sequential, in place (a nested plain Sequential likewise; a child ending
+    in a Linear and a ReLU child after it are not fused: neither trace sees both); the reason for Linear layers
+    left alone that no child's report names."""
+    swaps = _plan_children_traced(model, filter_fn, report)
+    for parent, key, result in swaps:  # every decision made (a raising filter_fn changed nothing)
+        setattr(parent, key, result)
+    if swaps:
         report.method = "torch.fx rewrite of the Sequential's children"
-    return next((why for why in reasons if "could not run" in why), "not followed by ReLU, or its output is used "
-                "elsewhere (fx graphs of the Sequential's children)")
+    return "not followed by ReLU, or its output is used elsewhere (fx graphs of the Sequential's children)"
+
+
+def _plain_sequential(module: nn.Module) -> bool:
+    return type(module) is nn.Sequential and "forward" not in vars(module)  # not a forward set on the instance
+
+
+def _plan_children_traced(model: nn.Sequential, filter_fn, report, done: Optional[dict] = None
+                          ) -> List[Tuple[nn.Module, str, nn.Module]]:
+    """``_fuse_children_traced``'s decisions: (parent, key, rewritten child) for each child the fx path fuses."""
+    swaps, done = [], {} if done is None else done  # a module under two keys is traced once, replaced under both
+    for key, child in model._modules.items():
+        if child is None:
+            continue
+        if id(child) not in done:
+            child_report = FusionReport()
+            child_filter = lambda name, layer, key=key: filter_fn(f"{key}.{name}", layer)  # noqa: E731
+            if _plain_sequential(child):
+                result, why = child, "not followed by ReLU, or its output is used elsewhere (fx graphs)"
+                swaps += _plan_children_traced(child, child_filter, child_report, done)
+            else:
+                result, why = _fuse_traced(child, child_filter, child_report)
+            for name, layer in child.named_modules():  # this child's reason for what its trace left alone
+                if name and _is_linear_layer(layer) and name not in child_report.fused:
+                    child_report.skipped.setdefault(name, why)
+            done[id(child)] = result, child_report
+        result, child_report = done[id(child)]
+        report.fused += [f"{key}.{name}" for name in child_report.fused]
+        for name, why in child_report.skipped.items():  # module patching's reason, where it gave one, stays
+            report.skipped.setdefault(f"{key}.{name}", why)
+        if child_report.fused and result is not child:
+            swaps.append((model, key, result))
+    return swaps
 
 
 def _fuse_traced(model, filter_fn, report) -> Tuple[nn.Module, str]:

@@ -15,6 +15,7 @@ which the report measures each quantized layer's error against its float layer.
 import ast
 import functools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -428,6 +429,10 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
             report.skipped[name] = why
         else:
             planned.append((name, layer, parents))
+    vetoed = sum(why == "vetoed by filter_fn" for why in report.skipped.values())
+    if vetoed and not planned:  # a filter written in fuse_linear_relu's order, (name, layer), vetoes this way
+        warnings.warn(f"quantize_: filter_fn vetoed all {vetoed} layers it was asked about; it is called as "
+                      "filter_fn(module, fqn), torchao's order", UserWarning, stacklevel=2)
     if _accounted(model):
         report.skipped[""] = "the model itself: quantize_ replaces submodules in place"
     # Every decision is made: conversions (and the errors on calibration data) next, all before any

@@ -39,7 +39,7 @@ measured time; 100% is the HBM floor (decode shapes are memory-bound).
 
 The coverage measurements, one command each (estimated 3-7 minutes each on an H200), merged into results/:
 
-    B="python -m experiments.bench_matmul_relu --shapes coverage --results --merge"
+    B="python -m experiments.bench_matmul_relu --shapes coverage --results"
     $B --dtypes bf16 --b-layouts weight --ops fwd                      # nn.Linear layout
     $B --dtypes tf32 --b-layouts row-major,weight --ops fwd,fwd+bwd    # tf32, both B layouts
     $B --dtypes bf16,fp16 --b-layouts weight --ops fwd+bwd             # forward+backward at its shapes

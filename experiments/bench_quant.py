@@ -49,8 +49,8 @@ kernels autotune on first use (once per GPU, cached): a fresh machine spends min
 
     python -m experiments.bench_quant --quick                     # 3 shapes + opt-1.3b prefill (runs/)
     python -m experiments.bench_quant --results                   # the full suite -> results/quant_gemm.json
-    python -m experiments.bench_quant --ops "int8 gemm,fp8 gemm" --results --merge # the GEMMs only,
-    python -m experiments.bench_quant --ops prefill --sizes opt-1.3b,opt-350m --results --merge  # then prefill
+    python -m experiments.bench_quant --ops "int8 gemm,fp8 gemm" --results # the GEMMs only,
+    python -m experiments.bench_quant --ops prefill --sizes opt-1.3b,opt-350m --results  # then prefill
     python -m experiments.report                                  # docs/results/quant_gemm.md from results/
     python -m experiments.bench_quant --ops prefill --sizes opt-1.3b --profile    # each prefill's top GPU kernels
 """

@@ -22,7 +22,7 @@ A configuration that fails (out of memory, a compiler error) is recorded in the 
 it again, replaces the entry.
 
     python -m experiments.compile_speedup                      # the full grid (GPU; hours: run it in pieces)
-    python -m experiments.compile_speedup --plan 'resnet50:infer:fp32:eager,default' --results --merge
+    python -m experiments.compile_speedup --plan 'resnet50:infer:fp32:eager,default' --results
     python -m experiments.compile_speedup --tiny --device cpu --modes eager,default   # smoke test
 
 ``--merge`` keeps the rows of the output file that this run does not measure, so the study can be run

@@ -124,8 +124,7 @@ def main(argv=None):
     cmd += ["--data", args.data] if args.data else []
     if args.out is not None:  # beside stage 1's file, not the repository's runs/
         cmd += ["--out", str(args.out.with_name(f"{args.out.stem}.train_mlp.json"))]
-    # results/train_mlp.json holds both devices' rows: a --results run merges into it
-    cmd += ["--results", "--merge"] if args.results else ["--merge"] if args.merge else []
+    cmd += ["--results"] if args.results else ["--merge"] if args.merge else []
     status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
     if status:
         sys.exit(f"stage 2 (python -m experiments.train_mlp) failed with exit status {status}")

@@ -219,7 +219,7 @@ the most any fusion of the ReLU could save). `ms/step` is the median of 20 synch
 compile mode over eager; the second's `x opt` the variant's speed relative to the stock decoder in
 the same mode. The study is run in pieces (`--plan ... --merge`), so its rows come from several runs:
 the `run` column names each line's runs, listed at the end.""",
-        command="python -m experiments.compile_speedup --plan '<models:tasks:precisions:modes>' --results --merge",
+        command="python -m experiments.compile_speedup --plan '<models:tasks:precisions:modes>' --results",
         views=(
             View("ms/step", index=("op", "dtype", "provider"), column="mode", baseline="eager", split=(),
                  title="ms/step by compile mode"),
@@ -278,7 +278,7 @@ the baseline) and patched by `fuse_linear_relu`: test accuracy after the same ep
 one synchronized training step (wall clock, after training). On a CPU fuselab computes with PyTorch,
 so the CPU rows show that patching keeps accuracy, not speed; the MLP trains in fp32 at torch's
 default precision, where fuselab runs cuBLAS and a ReLU on a GPU.""",
-        command="python -m experiments.train_mlp --results --merge",
+        command="python -m experiments.train_mlp --results",
         views=(View("test accuracy", index=("op", "shape", "epochs"), baseline=None, split=(), title="test accuracy"),
                View("ms/step", index=("op", "shape", "epochs"), split=(), title="ms per training step")),
     ),
@@ -287,7 +287,7 @@ default precision, where fuselab runs cuBLAS and a ReLU on a GPU.""",
         prose="""\
 The fused op's forward and three gradients against float64, beside PyTorch's: the largest relative
 error of the four. On a CPU the Triton kernels run in the interpreter (mode `interpreter`).""",
-        command="python -m experiments.quickstart --skip-mlp --results --merge",
+        command="python -m experiments.quickstart --skip-mlp --results",
         machine="a GPU machine, or a CPU for the interpreter rows",
         views=(View("max rel err", index=("shape", "dtype", "mode"), baseline=None, split=("op",),
                     title="{op}: largest relative error vs float64"),
@@ -393,8 +393,8 @@ route (`quantize_pt2e_x86`, static INT8 convolutions and Linears). Accuracy is o
 images; sizes are state_dict bytes; latencies are per batch (CPU: this machine's cores, wall; GPU:
 eager and replayed from a CUDA graph). See `experiments/distill_quantize.py` for the recipe.""",
         command="python -m experiments.distill_quantize --device cuda --data data/fashion-mnist --teacher-epochs 10 "
-                "--epochs 6 --seeds 0,1,2 --save-students runs/students --results --merge, then on a CPU "
-                "--load-students runs/students --merge --results",
+                "--epochs 6 --seeds 0,1,2 --save-students runs/students --results, then on a CPU "
+                "--load-students runs/students --results",
         own_page="experiments.distill_quantize"),
 }
 

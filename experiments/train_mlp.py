@@ -12,7 +12,7 @@ patched); shape ``<data>, <layer widths>, batch <b>``; metrics ``test accuracy``
 and ``ms/step`` (wall mode: one AdamW step on a training batch, synchronized, timed after training).
 
     python -m experiments.train_mlp --epochs 3             # writes runs/train_mlp.json
-    python -m experiments.train_mlp --epochs 3 --results --merge   # results/train_mlp.json (the docs' source)
+    python -m experiments.train_mlp --epochs 3 --results   # results/train_mlp.json (the docs' source)
 """
 import argparse
 import copy

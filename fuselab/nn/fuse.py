@@ -728,8 +728,8 @@ def _plan_children_traced(model: nn.Sequential, filter_fn, report, done: Optiona
             done[id(child)] = result, child_report
         result, child_report = done[id(child)]
         report.fused += [f"{key}.{name}" for name in child_report.fused]
-        for name, why in child_report.skipped.items():  # module patching's reason, where it gave one, stays
-            report.skipped.setdefault(f"{key}.{name}", why)
+        for name, reason in child_report.skipped.items():  # module patching's reason, where it gave one, stays
+            report.skipped.setdefault(f"{key}.{name}", reason)
         if child_report.fused and result is not child:
             swaps.append((model, key, result))
     return swaps

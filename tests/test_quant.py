@@ -1164,6 +1164,95 @@ def test_a_parent_that_reads_its_childs_weight_keeps_that_child_float():
         assert model(torch.randn(3, 8)).dtype == torch.float32
 
 
+class _TiesAGrandchildsWeight(nn.Module):
+    """A tied output projection read two levels down, and a ModuleList child's weight read by index: a quantized
+    layer there handed its int8 values to F.linear as float weights (relative error ~500, reported replaced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _CastsToItsOutputLayersDtype()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x):
+        h = self.layers[1](self.layers[0](self.block(x)))
+        return F.linear(h, self.block.wi.weight[:8]) + self.layers[0].bias
+
+
+def test_a_module_above_the_parent_that_reads_a_layers_weight_keeps_that_layer_float():
+    torch.manual_seed(0)
+    model, x = _TiesAGrandchildsWeight(), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    assert "_TiesAGrandchildsWeight.forward reads self.block.wi.weight itself" in report.skipped["block.wi"]
+    assert "_TiesAGrandchildsWeight.forward reads self.layers.0.bias itself" in report.skipped["layers.0"]
+    assert "reads self.wo.weight itself" in report.skipped["block.wo"]  # the parent's own read, as before
+    assert list(report.replaced) == ["layers.1"] and type(model.block.wi) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0.05, atol=0.05)
+
+
+def test_setting_a_float_weight_on_a_quantized_layer_is_refused():
+    # transformers' tie_weights() after quantize_ set the embedding's float weight on the quantized LM head: the
+    # next forward raised an int8 GEMM dtype error naming neither the layer nor the cause.
+    for layer in (Int8Linear.from_float(nn.Linear(8, 4)), Float8Linear.from_float(nn.Linear(8, 4))):
+        dtype = layer.weight.dtype
+        with pytest.raises(TypeError, match=_escaped(f"its weight is a {dtype} buffer of the quantization; setting a "
+                                                     "torch.float32 tensor there (transformers' tie_weights()")):
+            layer.weight = nn.Parameter(torch.randn(4, 8))
+        with pytest.raises(TypeError, match="its weight_scale is a torch.float32 buffer"):
+            layer.weight_scale = torch.ones(4, dtype=torch.float64)
+        assert layer.weight.dtype == dtype and "weight" in layer._buffers  # as it was
+        layer.weight = torch.zeros(4, 8, dtype=dtype)  # the quantization's own dtype: allowed
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    with pytest.raises(TypeError, match=r"Int8Linear\(in_features=32, out_features=64.*tie_weights\(\)"):
+        model.tie_weights()
+    assert model.lm_head.weight.dtype == torch.int8
+
+
+def test_a_static_config_without_scales_and_bad_scales_are_refused_by_name():
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"has no act_scales, so every layer would stay float.*nothing was changed"):
+        quantize_(model, Int8StaticActivationInt8WeightConfig())
+    empty = calibrate(model, [torch.zeros(0, 24)], 1, progress=False)  # an empty batch: no range seen
+    with pytest.raises(ValueError, match="has no act_scales"):
+        quantize_(model, Int8StaticActivationInt8WeightConfig(empty.act_scales()))
+    assert all(type(m) is not Int8Linear for m in model.modules())
+    calib = calibrate(model, [torch.randn(16, 24)], 1, progress=False)
+    with pytest.raises(TypeError, match=_escaped("got Calibration (pass its .act_scales())")):
+        Int8StaticActivationInt8WeightConfig(calib)
+    for qmax, error in ((0, "positive finite"), (-127, "positive finite"), (float("nan"), "positive finite"),
+                        (255, "steps end at 127")):
+        with pytest.raises(ValueError, match=_escaped("act_scales(qmax") + ".*" + error):
+            calib.act_scales(qmax)
+    assert calib.act_scales(100)["0"] == calib.absmax["0"] / 100  # headroom above the calibrated range
+    # absmax passed where scales belong: scales 127x too large, outputs far off; the report's errors show it
+    with pytest.warns(UserWarning, match=r"quantize_: \d quantized layer\(s\) miss their float layer's outputs"):
+        quantize_(model, Int8StaticActivationInt8WeightConfig(calib.absmax), calibration=calib)
+
+
+def test_a_parametrized_layer_is_left_alone_for_its_parametrization():
+    model = nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Linear(8, 8))
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    assert report.skipped["0"].startswith("its weight is parametrized") and list(report.replaced) == ["1"]
+
+
+def test_fuse_linear_relu_after_quantize_says_what_it_met():
+    # It reported "fused 0 Linear+ReLU (none); left 0 Linear alone" of a quantized Linear-ReLU pair.
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Conv2d(1, 1, 1))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(conv2d=True))
+    _, report = fuse_linear_relu(model)
+    assert not report.fused and set(report.skipped) == {"0", "2"}
+    assert "fuse_linear_relu before quantize_ fuses a ReLU after it" in report.skipped["0"]
+    model = _mlp()  # fused, then quantized: the ReLU is in the epilogue
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    _, report = fuse_linear_relu(model)
+    assert "its ReLU fused into the GEMM's epilogue" in report.skipped["0"]
+
+
 def test_int8_layer_past_the_k_limit_is_left_alone():
     model = nn.Sequential(nn.Linear(int8_gemm.MAX_K + 1, 1))
     report = quantize_(model, Int8DynamicActivationInt8WeightConfig())

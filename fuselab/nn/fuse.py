@@ -310,11 +310,18 @@ def _parent_reaches_inside(parent: nn.Module, path: Tuple[str, ...]) -> Optional
     return None
 
 
-def _ancestors_reach_inside(modules: Dict[str, nn.Module], name: str) -> Optional[str]:
-    """``_parent_reaches_inside`` for every module above the Sequential ``name``, its parent first."""
+def ancestor_paths(modules: Dict[str, nn.Module], name: str) -> Iterator[Tuple[nn.Module, Tuple[str, ...]]]:
+    """(module above ``name``, the attribute path from it down to ``name``) for every module above it, its parent
+    first; ``modules``: a model's ``named_modules()`` as a dict."""
     parts = name.split(".")
     for i in range(len(parts) - 1, -1, -1):
-        why = _parent_reaches_inside(modules[".".join(parts[:i])], tuple(parts[i:]))
+        yield modules[".".join(parts[:i])], tuple(parts[i:])
+
+
+def _ancestors_reach_inside(modules: Dict[str, nn.Module], name: str) -> Optional[str]:
+    """``_parent_reaches_inside`` for every module above the Sequential ``name``, its parent first."""
+    for ancestor, path in ancestor_paths(modules, name):
+        why = _parent_reaches_inside(ancestor, path)
         if why is not None:
             return why
     return None
@@ -402,6 +409,8 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Option
     for name, layer in model.named_modules():
         if _is_linear_layer(layer) and name not in report.fused:
             report.skipped.setdefault(name, "already fused" if isinstance(layer, _FUSED_LAYERS) else others)
+        elif getattr(layer, "fusion_note", None):  # fuselab.quant's quantized Linear layers
+            report.skipped.setdefault(name, layer.fusion_note)
     return result, report
 
 

@@ -81,7 +81,8 @@ class Int8StaticActivationInt8WeightConfig:
 
     def __post_init__(self):
         if not isinstance(self.act_scales, Mapping):
-            raise TypeError(f"act_scales must map layer names to scales, got {type(self.act_scales).__name__}")
+            hint = " (pass its .act_scales())" if hasattr(self.act_scales, "act_scales") else ""
+            raise TypeError(f"act_scales must map layer names to scales, got {type(self.act_scales).__name__}{hint}")
         scales = {name: positive_scale(f"act_scales[{name!r}]", scale) for name, scale in self.act_scales.items()}
         object.__setattr__(self, "act_scales", FrozenScales(scales))
 

@@ -89,6 +89,16 @@ class _QuantizedLinear(nn.Module):
             raise ValueError(f"{layer}.from_float(relu=False) of a FusedLinearReLU would drop its ReLU")
         return fused or bool(relu)
 
+    def __setattr__(self, name: str, value) -> None:
+        # transformers' tie_weights() sets an embedding's float Parameter here: the GEMM would take it as the weight
+        own = self.__dict__.get("_buffers", {}).get(name) if name in ("weight", "weight_scale") else None
+        if own is not None and isinstance(value, torch.Tensor) and value.dtype != own.dtype:
+            raise TypeError(f"{type(self).__name__}({self.extra_repr()}): its {name} is a {own.dtype} buffer of the "
+                            f"quantization; setting a {value.dtype} tensor there (transformers' tie_weights() or "
+                            "resize_token_embeddings() after quantize_?) would replace it. Tie or resize the float "
+                            "model, then quantize_ it (a layer whose weight is tied gets its own quantized copy)")
+        super().__setattr__(name, value)
+
     def _load_float(self, linear: nn.Linear, quantize) -> None:
         self.weight, self.weight_scale = quantize(linear.weight.contiguous())  # PyTorch's path keeps a layout
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -132,6 +142,14 @@ class _QuantizedLinear(nn.Module):
             if new.dtype != old.dtype and (name != "bias" or new.dtype not in SUPPORTED_DTYPES):
                 self._buffers[name] = old.to(new.device)
         return self
+
+    @property
+    def fusion_note(self) -> Optional[str]:
+        """What ``fuse_linear_relu``'s report says of this layer (a Linear it no longer sees as one)."""
+        if self.relu:
+            return "quantized (fuselab.quant), its ReLU fused into the GEMM's epilogue"
+        return ("quantized (fuselab.quant), no longer a Linear to fuse: fuse_linear_relu before quantize_ fuses a "
+                "ReLU after it into the GEMM's epilogue")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -231,6 +249,8 @@ class Int8Conv2d(_QuantizedLinear):
     quantized per token at run time, then the int8 GEMM with its epilogue against the weight
     (O, C*kh*kw), quantized per output channel. The output is in the input's memory format (channels-
     last, as the GEMM writes it, for a channels-last input; else a contiguous copy)."""
+
+    fusion_note = None  # a convolution: nothing fuse_linear_relu fuses
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  bias: bool = True, device=None):

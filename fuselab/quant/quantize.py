@@ -22,14 +22,16 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
+from torch.nn.utils import parametrize
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.nn.fuse import class_methods, is_conv1d, reads_path, training_mode, why_not_swapped
+from fuselab.nn.fuse import _attribute_step, ancestor_paths, class_methods, is_conv1d, training_mode, why_not_swapped
 from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 from fuselab.quant.config import (
     Float8RowwiseConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8StaticActivationInt8WeightConfig,
+    positive_scale,
 )
 from fuselab.quant.fp8_gemm import check_fp8_device
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
@@ -135,7 +137,12 @@ class Calibration:
         """Symmetric per-tensor scales, ``absmax / qmax`` (int8: 127), for
         ``Int8StaticActivationInt8WeightConfig``. A layer that only saw zeros has no range to scale
         by and is left out (any scale would turn its later nonzero inputs into about nothing):
-        quantize_ then leaves it alone and says so."""
+        quantize_ then leaves it alone and says so. ``qmax``: the int8 step the calibrated absmax maps to,
+        in (0, 127]; below 127 leaves headroom above the calibrated range (past 127 it would be clipped)."""
+        qmax = positive_scale("act_scales(qmax)", qmax)
+        if qmax > INT8_QMAX:
+            raise ValueError(f"act_scales(qmax={qmax:g}): the static layers' inputs are int8, whose steps end at "
+                             f"{INT8_QMAX}; a larger qmax would clip the calibrated range itself")
         return {name: value / qmax for name, value in self.absmax.items() if value > 0}
 
 
@@ -293,6 +300,7 @@ def relative_error(float_layer: nn.Module, quantized_layer: nn.Module, x: torch.
 # quantize_
 # ----------------------------------------------------------------------------------------------
 
+FAR_ERROR = 0.5  # a replaced layer's relative error on calibration data past which quantize_ warns
 _REPLACED = (nn.Linear, FusedLinearReLU)  # exactly these types: a subclass's forward may compute something else
 _RELU_FUSED = (FusedLinearReLU, FusedConv1DReLU)
 
@@ -311,26 +319,48 @@ def _replaced_types(config: Any) -> Tuple[type, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _reads_child_weight(parent_cls: type, key: str) -> Optional[str]:
-    """Why ``parent_cls`` may read its child ``key``'s float weight or bias itself, not through the child's forward
-    (``self.key.weight.dtype``, a fast path passing ``self.key.weight`` to a fused kernel): a quantized child holds
-    int8/fp8 buffers there. None where no method of the class (torch.nn.Module's aside) does."""
-    for name, method in class_methods(parent_cls, skip_modules=("torch.nn.modules.module",)):
+def _weight_reads(cls: type) -> Dict[Tuple[str, ...], str]:
+    """The paths below ``self`` whose float weight or bias a method of ``cls`` (torch.nn.Module's aside) reads
+    itself, not through the layer's forward (``self.key.weight.dtype``, a fast path passing ``self.block.out.weight``
+    to a kernel, ``self.layers[0].fc.weight``): path -> why (a quantized layer there holds int8/fp8 buffers)."""
+    reads: Dict[Tuple[str, ...], str] = {}
+    for name, method in class_methods(cls, skip_modules=("torch.nn.modules.module",)):
         me = method.args.args[0].arg if method is not None and method.args.args else None
         for node in ast.walk(method) if me is not None else ():
-            for attr in ("weight", "bias"):
-                if reads_path(node, me, (key, attr)):
-                    return (f"{parent_cls.__name__}.{name} reads {me}.{key}.{attr} itself (a quantized layer's "
-                            "weight is an int8/fp8 buffer: what it does with it would change)")
-    return None
+            step = _attribute_step(node)
+            if step is None or step[0] not in ("weight", "bias"):
+                continue
+            path, node = [], step[1]
+            while True:
+                taken = _path_step(node)
+                if taken is None:
+                    break
+                path.append(taken[0])
+                node = taken[1]
+            if path and isinstance(node, ast.Name) and node.id == me:
+                dotted = ".".join(reversed(path))
+                reads.setdefault(tuple(reversed(path)), f"{cls.__name__}.{name} reads {me}.{dotted}.{step[0]} "
+                                 "itself (a quantized layer's weight is an int8/fp8 buffer: what it does with it "
+                                 "would change)")
+    return reads
+
+
+def _path_step(node: ast.AST) -> Optional[Tuple[str, ast.AST]]:
+    """``_attribute_step``, and an index by a constant (``x[0]``: a ModuleList's child "0")."""
+    taken = _attribute_step(node)
+    if taken is None and isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        taken = str(node.slice.value), node.value
+    return taken
 
 
 def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED,
-                       parents: Tuple[Tuple[nn.Module, str], ...] = ()) -> Optional[str]:
-    """Why a swap of ``layer`` (held by ``parents`` as (parent, key) pairs) would not compute what the config
-    specifies (None: it would)."""
+                       ancestors: Tuple[Tuple[nn.Module, Tuple[str, ...]], ...] = ()) -> Optional[str]:
+    """Why a swap of ``layer`` (reached from each of ``ancestors`` by its attribute path) would not compute what
+    the config specifies (None: it would)."""
     if isinstance(layer, QUANTIZED_LAYERS):
         return f"already quantized ({type(layer).__name__})"
+    if parametrize.is_parametrized(layer):  # before the type test: a parametrized layer's type is made for it
+        return why_not_swapped(layer)
     if isinstance(layer, _ConvNd) and type(layer) not in replaced:
         if type(layer) is nn.Conv2d:
             return "an nn.Conv2d: replaced with Int8DynamicActivationInt8WeightConfig(conv2d=True) only"
@@ -340,8 +370,8 @@ def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED,
         cls = type(layer)
         names = " or ".join(("nn." if t.__module__.startswith("torch.nn") else "") + t.__name__ for t in replaced)
         return f"a {cls.__module__}.{cls.__qualname__}, not exactly {names} (its forward may differ)"
-    for parent, key in parents:
-        why = _reads_child_weight(type(parent), key)
+    for ancestor, path in ancestors:
+        why = _weight_reads(type(ancestor)).get(path)
         if why is not None:
             return why
     why = why_not_swapped(layer)
@@ -359,17 +389,24 @@ def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED,
     return None
 
 
-def _layer_sites(model: nn.Module, accounted: Callable[[nn.Module], bool]
-                 ) -> Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]]:
+_Site = Tuple[str, nn.Module, List[Tuple[nn.Module, str]], List[Tuple[nn.Module, Tuple[str, ...]]]]
+
+
+def _layer_sites(model: nn.Module, accounted: Callable[[nn.Module], bool]) -> Dict[int, _Site]:
     """Every module under ``model`` (not ``model`` itself) that ``accounted(module)`` holds for:
-    id -> (name, layer, [(parent, key)]), named as ``model.named_modules()`` first names it (as ``calibrate``
-    names the layers it observes: a layer held under two names is one layer, under one name)."""
+    id -> (name, layer, [(parent, key)], [(ancestor, path)]), named as ``model.named_modules()`` first names it
+    (as ``calibrate`` names the layers it observes: a layer held under two names is one layer, under one name);
+    the ancestors are every module above it by every name, each with its attribute path down to it."""
     names = {id(m): name for name, m in model.named_modules()}
-    sites: Dict[int, Tuple[str, nn.Module, List[Tuple[nn.Module, str]]]] = {}
+    sites = {}
     for parent in model.modules():  # each parent once: its (parent, key) pairs once
         for key, child in parent._modules.items():
             if child is not None and child is not model and accounted(child):
-                sites.setdefault(id(child), (names[id(child)], child, []))[2].append((parent, key))
+                sites.setdefault(id(child), (names[id(child)], child, [], []))[2].append((parent, key))
+    every_name = dict(model.named_modules(remove_duplicate=False))
+    for name, module in every_name.items():
+        if id(module) in sites:
+            sites[id(module)][3].extend(ancestor_paths(every_name, name))
     return sites
 
 
@@ -413,15 +450,19 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
     planned = []
     replaced = _replaced_types(config)
     sites = _layer_sites(model, _accounted).values()
-    if isinstance(config, Int8StaticActivationInt8WeightConfig) and config.act_scales:
-        names = {name for name, _, _ in sites}
+    if isinstance(config, Int8StaticActivationInt8WeightConfig) and not config.act_scales:
+        raise ValueError("quantize_: the Int8StaticActivationInt8WeightConfig has no act_scales, so every layer would "
+                         "stay float: pass calibrate(model, loader, n_batches).act_scales() (empty where calibration "
+                         "saw only empty or all-zero inputs); nothing was changed")
+    if isinstance(config, Int8StaticActivationInt8WeightConfig):
+        names = {name for name, _, _, _ in sites}
         if not names & set(config.act_scales):  # calibrated on another model, or on a parent of this one
             raise ValueError(f"quantize_: none of the config's {len(config.act_scales)} act_scales names a layer of "
                              f"this model (it has e.g. {next(iter(config.act_scales))!r}; this model's layers: "
                              f"{sorted(names)[:5]}): calibrate the model you quantize; nothing was changed")
         report.unused_scales = sorted(set(config.act_scales) - names)
-    for name, layer, parents in sites:
-        why = (_why_not_quantized(layer, replaced, tuple(parents))
+    for name, layer, parents, ancestors in sites:
+        why = (_why_not_quantized(layer, replaced, tuple(ancestors))
                or handler.why_not(layer, name, config))
         if why is None and filter_fn is not None and not filter_fn(layer, name):
             why = "vetoed by filter_fn"
@@ -463,6 +504,13 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
         setattr(layer, key, fused)
         report.norms[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fused.fp8 else 'int8'} once, "
                               f"for {', '.join(paths)})")
+    far = {name: error for name, error in report.errors.items() if error > FAR_ERROR}
+    if far:  # scales of another model or metric (absmax for act_scales()), a layer int8 cannot hold
+        worst = ", ".join(f"{name} {error:.2f}" for name, error in sorted(far.items(), key=lambda kv: -kv[1])[:5])
+        warnings.warn(f"quantize_: {len(far)} quantized layer(s) miss their float layer's outputs on the calibration "
+                      f"data by more than {FAR_ERROR:.0%} (relative error: {worst}): check the static scales (from "
+                      "calibrate(...).act_scales() of this model) or leave those layers float (filter_fn)",
+                      UserWarning, stacklevel=2)
     return report
 
 

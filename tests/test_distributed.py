@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import fuselab.distributed as fd
+from fuselab.nn import fuse_linear_relu
 
 pytestmark = pytest.mark.distributed
 
@@ -446,11 +447,40 @@ def test_find_blocks_resnet_stages_and_fallbacks():
         fd.find_blocks(mlp, block_types=[torch.nn.Conv2d])
 
 
+class _FunctionalReluBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_find_blocks_names_a_graph_module_from_the_fx_path():
+    # fuse_linear_relu's torch.fx path inlines the blocks: "pass block_types=" could not help
+    fused, report = fuse_linear_relu(_FunctionalReluBlocks())
+    assert isinstance(fused, torch.fx.GraphModule) and len(report.fused) == 3
+    with pytest.raises(ValueError, match="a torch.fx GraphModule .* shard the model itself"):
+        fd.find_blocks(fused)
+
+
 def test_launch_environment_turns_nvlink_multicast_off():
     env = fd.launch_environment({"PATH": "/bin", "NCCL_NVLS_ENABLE": "1"})
     assert env["NCCL_NVLS_ENABLE"] == "1"  # an explicit choice is kept
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert fd.launch_environment({})["NCCL_NVLS_ENABLE"] == "0"
+
+
+@pytest.mark.parametrize("given", ["WORLD_SIZE", "RANK"])
+def test_init_refuses_half_a_torchrun_environment(given, monkeypatch):
+    # WORLD_SIZE=2 without RANK: one plain process whose Runtime said 2 ranks (train_ddp halved its data, doubled lr)
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(given, "2" if given == "WORLD_SIZE" else "0")
+    with pytest.raises(RuntimeError, match=f"{given}=. is set but .* is not: start the ranks with torchrun"):
+        fd.init("cpu")
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -631,6 +661,14 @@ for name, opt in (("regrouped", torch.optim.Adam(model.parameters(), lr=1e-2)),
         print(name, e)
 grouped.load(model, torch.optim.Adam([{"params": weights}, {"params": biases, "lr": 5e-3}], lr=1e-2))
 print("samegroups loaded")
+# Other state-making settings: amsgrad's state dropped on load while its setting came back (a KeyError at the step)
+amsgrad = fd.Checkpointer(sys.argv[1] + "-amsgrad")
+amsgrad.save(1, model, stepped(torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)))
+try:
+    amsgrad.load(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    print("amsgrad loaded")
+except ValueError as e:
+    print("amsgrad", e)
 # Another LR scheduler class: its state failed to load (KeyError 'lr_lambdas') after the model was overwritten
 scheduled = fd.Checkpointer(sys.argv[1] + "-scheduler")
 sched_opt = stepped(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -644,6 +682,36 @@ try:
     print("rescheduled loaded")
 except ValueError as e:
     print("rescheduled", e, all(torch.equal(a, b) for a, b in zip(changed, model.parameters())))
+# SGD without momentum keeps no per-parameter state: its scheduled lr was not saved, a resume went on at lr 1.0
+stateless = fd.Checkpointer(sys.argv[1] + "-stateless")
+sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+decay = torch.optim.lr_scheduler.ExponentialLR(sgd, 0.5)
+for _ in range(3):
+    stepped(sgd)
+    decay.step()
+stateless.save(3, model, sgd, decay)
+after_save = torch.rand(2)
+sgd2 = torch.optim.SGD(model.parameters(), lr=1.0)
+fd.Checkpointer(sys.argv[1] + "-stateless").load(model, sgd2, torch.optim.lr_scheduler.ExponentialLR(sgd2, 0.5))
+print("stateless", sgd2.param_groups[0]["lr"], torch.equal(torch.rand(2), after_save))  # a resume: generators too
+# An evaluation of that checkpoint through another Checkpointer rewound this process's generators
+evaluated = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+torch.manual_seed(7)
+expected = torch.rand(2)
+torch.manual_seed(7)
+fd.Checkpointer(sys.argv[1] + "-eval").load(evaluated, path=stateless.dir / "step_00000003")
+print("evalrng", torch.equal(torch.rand(2), expected))
+refused = []
+for keep in (2.5, "3", True):  # 2.5 never pruned; "3" raised a bare TypeError
+    try:
+        fd.Checkpointer(sys.argv[1] + "-keep", keep=keep)
+    except ValueError as e:
+        refused.append(str(e))
+print("keep", " | ".join(refused))
+try:
+    stateless.load(model, path=stateless.dir / "step_00000099")
+except FileNotFoundError as e:
+    print("nonexistent", e)
 # A parameter without a gradient before the save (a head used later) has no optimizer state: the resume loads
 heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
 head_opt = torch.optim.AdamW(heads.parameters(), lr=0.1)
@@ -738,7 +806,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
                   "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "rescheduled", "damaged",
                   "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap",
                   "resave", "chdir", "linked", "info", "reads", "warmtwice",
-                  "abandonedload"))
+                  "abandonedload", "stateless", "evalrng", "keep", "nonexistent", "amsgrad"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -773,6 +841,12 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert "that this Checkpointer neither loaded nor wrote" in lines["warmstart"], lines
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000003/.metadata" in lines["metadata"], lines
+    assert "holds optimizer state (max_exp_avg_sq) that this optimizer does not keep" in lines["amsgrad"], lines
+    assert lines["stateless"] == "0.125 True", lines  # the scheduled lr and the generators resumed
+    assert lines["evalrng"] == "True", lines  # another folder's checkpoint: the generators left as they were
+    assert lines["keep"] == " | ".join(f"keep must be an int >= 1 (or None: keep all), got {keep!r}"
+                                      for keep in (2.5, "3", True)), lines
+    assert "step_00000099 does not exist" in lines["nonexistent"], lines
 
 
 def _self_containing():

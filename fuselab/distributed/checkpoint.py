@@ -5,13 +5,15 @@ shards; DCP records the global layout in ``.metadata``). It holds:
 
     model, optim   ``get_state_dict(model, optimizer)``: keys as in the unwrapped model (no
                    ``module.``/``_orig_mod.``/checkpoint-wrapper prefixes), FSDP shards as DTensors
+    optim_groups   the parameter groups' settings of an optimizer with no per-parameter state (in place of optim)
     scheduler      the LR scheduler's ``state_dict()``
     train_state    step, world size and what the caller adds (the data position): JSON
     rng_rank<r>    each rank's Python/NumPy/torch/CUDA generator states
 
 Because DCP stores global tensor layouts, a checkpoint written by N ranks loads on M ranks with
 any sharding (FSDP, DDP, or one plain process): DCP reshards while reading. RNG states are
-restored only at the same world size (elsewhere there is no rank to give them to).
+restored only at the same world size (elsewhere there is no rank to give them to), and only by a resume (a
+checkpoint of the Checkpointer's own folder).
 
 Crash safety: a checkpoint is written into ``.tmp-step_<n>/`` and renamed to ``step_<n>/`` by
 rank 0 once DCP has finished (its ``.metadata`` is written last, after every rank's data); a
@@ -26,8 +28,9 @@ loaded nothing from its folder refuses to save into it while it holds checkpoint
 run's). A relative folder is fixed when the Checkpointer is made. Every rank must see the same
 folder (one node, or a shared filesystem across nodes).
 ``train_state`` must be the same on every rank (it is saved once); an optimizer that has not stepped yet is
-saved without state. The optimizer's class and parameter groups are recorded, and ``load`` refuses an optimizer
-of another class or grouping (DCP would load the state by parameter name into it).
+saved without per-parameter state (its groups' settings, such as a scheduled lr, are saved). The optimizer's
+class and parameter groups are recorded, and ``load`` refuses an optimizer of another class or grouping (DCP
+would load the state by parameter name into it).
 
 ``async_save=True`` uses ``dcp.async_save``: the state is copied to host memory, training goes
 on while a background thread writes it (over a separate gloo group), and the rename happens when
@@ -64,6 +67,7 @@ ABANDONED = "abandoned-"  # checkpoints past the step a resumed run saved again
 INFO = "info.json"
 LAYOUT = "fuselab_optimizer_layout"  # the train state's record of the optimizer's class and groups
 SCHEDULER = "fuselab_scheduler_class"  # and of the LR scheduler's class
+GROUPS = "optim_groups"  # the checkpoint's entry of an optimizer's group settings where it has no state to save
 
 
 def _rank() -> int:
@@ -218,11 +222,24 @@ def _state_to_load_into(model: torch.nn.Module, optimizer: Optional[torch.optim.
 
 def _saved_part(optim_state: Dict[str, Any], saved: set, path: Path) -> Dict[str, Any]:
     """``optim_state`` without the per-parameter state the checkpoint does not hold (a parameter that had no gradient
-    before the save, a head used later, has none); RuntimeError where it holds state that ``optim_state`` has no
-    place for (an optimizer that has stepped but not on those parameters)."""
+    before the save, a head used later, has none); ValueError where it holds state entries this optimizer does not
+    keep (other settings), RuntimeError where it holds state for parameters ``optim_state`` has no place for (an
+    optimizer that has stepped but not on those parameters)."""
     kept = {name: {k: v for k, v in per_param.items() if f"optim.state.{name}.{k}" in saved}
             for name, per_param in optim_state["state"].items()}
     prefix = "optim.state."
+    entries = {}  # the checkpoint's state entries, by parameter
+    for key in saved:
+        if key.startswith(prefix):
+            name, entry = key[len(prefix):].rsplit(".", 1)
+            entries.setdefault(name, set()).add(entry)
+    params = {name for group in optim_state["param_groups"] for name in group["params"]}
+    extra = sorted({e for name, found in entries.items() if name in params
+                    for e in found - set(optim_state["state"].get(name, ()))})
+    if extra:  # amsgrad's max_exp_avg_sq, SGD's momentum_buffer: the loaded settings would ask for what is dropped
+        raise ValueError(f"{path} holds optimizer state ({', '.join(extra)}) that this optimizer does not keep: it was "
+                         "saved with other settings (amsgrad, momentum, ...); build the optimizer as the saved run "
+                         "did, or load the model alone (optimizer=None)")
     missing = sorted({k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)} - set(kept))
     if missing:
         raise RuntimeError(f"{path} holds optimizer state for {', '.join(missing[:5])} that this optimizer has no "
@@ -346,8 +363,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory, *, keep: Optional[int] = 3, async_save: bool = False):
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be >= 1 (or None: keep all), got {keep}")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be an int >= 1 (or None: keep all), got {keep!r}")
         self.dir = Path(directory).absolute()  # fixed here: a later os.chdir does not move it
         self.keep = keep
         self.async_save = async_save
@@ -400,6 +417,8 @@ class Checkpointer:
         try:  # a folder renamed or pruned meanwhile (rank 0's commit) reads as missing, not as an OSError
             st = meta.stat()
         except OSError:
+            if not path.exists():
+                return FileNotFoundError, f"{path} does not exist"
             return FileNotFoundError, f"{path} is not a complete checkpoint (no .metadata)"
         version = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
         cached = self._sizes.get(path)
@@ -469,6 +488,9 @@ class Checkpointer:
         state["model"] = msd
         if stepped:
             state["optim"] = osd
+        elif optimizer is not None:  # its groups' settings count: SGD without momentum keeps no state, but an lr
+            state[GROUPS] = pickle.dumps([{k: v for k, v in g.items() if k != "params"}
+                                          for g in optimizer.param_groups])
         if scheduler is not None:
             state["scheduler"] = pickle.dumps(scheduler.state_dict())
         t0 = time.perf_counter()
@@ -579,10 +601,11 @@ class Checkpointer:
         in place, restore RNG states (same world size only), and return its train state (``step``,
         ``world_size`` and what ``save`` was given); None when there is no checkpoint.
 
-        A load is a resume: this run continues from the loaded step (from a checkpoint of this folder, the next
+        A load of a checkpoint of this folder is a resume: this run continues from the loaded step (the next
         save sets the later ones aside; saving the loaded step again replaces it) and this process's random
-        generators continue from theirs. To read a checkpoint into another model (an evaluation), use another
-        Checkpointer, in another process where the generators matter."""
+        generators continue from theirs. A checkpoint of another folder (``path``: a warm start, or an evaluation
+        through another Checkpointer) leaves the generators as they are. An optimizer saved without per-parameter
+        state (before its first step, or one that keeps none) gets its parameter groups' settings back."""
         self.wait()
         in_folder = path is None  # this folder's checkpoint (a resume of this run), or another's (a warm start)
         # Rank 0 decides what is loaded and every rank follows (ranks reading a shared filesystem at different
@@ -610,7 +633,8 @@ class Checkpointer:
             raise RuntimeError(f"could not read {path / '.metadata'}: {type(e).__name__}: {e}") from e
         t0 = time.perf_counter()
         with_optim = optimizer is not None and any(k.startswith("optim.") for k in saved)
-        layout = (self.train_state(path) or {}).get(LAYOUT) if with_optim else None
+        with_groups = optimizer is not None and not with_optim and GROUPS in saved
+        layout = (self.train_state(path) or {}).get(LAYOUT) if with_optim or with_groups else None
         change = layout and _layout_change(layout, _optimizer_layout(model, optimizer))
         if change:  # DCP would load the state by parameter name into whatever groups and rule this optimizer has
             raise ValueError(f"{path}: {change}; build the optimizer as the saved run did, or load the model "
@@ -620,12 +644,16 @@ class Checkpointer:
             raise ValueError(f"{path}: the LR scheduler is {saved_scheduler}, this one {_class_name(scheduler)}; "
                              "build the scheduler as the saved run did (nothing was loaded)")
         if optimizer is not None and not with_optim:  # left untouched: get_state_dict would step it
-            logger.warning("%s holds no optimizer state (saved before its first step?): the optimizer starts "
-                           "fresh", path)
+            (logger.info if with_groups else logger.warning)(
+                "%s holds no per-parameter optimizer state (saved before the first step, or an optimizer that keeps "
+                "none, as SGD without momentum): %s", path, "its parameter groups' settings (lr, ...) are restored"
+                if with_groups else "the optimizer starts fresh")
         msd, osd = _state_to_load_into(model, optimizer if with_optim else None)
         state: Dict[str, Any] = {"model": msd, "train_state": ""}
         if with_optim:
             state["optim"] = _saved_part(osd, saved, path)
+        if with_groups:
+            state[GROUPS] = b""
         if scheduler is not None:
             if "scheduler" in saved:
                 state["scheduler"] = b""
@@ -633,7 +661,7 @@ class Checkpointer:
                 logger.warning("%s holds no LR scheduler state", path)
         rng_key = f"rng_rank{_rank()}"
         saved_world = sum(k.startswith("rng_rank") for k in saved)  # one per rank that saved
-        if saved_world == _world():
+        if saved_world == _world() and in_folder:  # a resume; another folder's (a warm start, an evaluation): not
             state[rng_key] = b""
         unused = sorted(k for k in saved if k.startswith("model.") and k[len("model."):] not in msd)
         if unused:  # DCP loads only the keys asked for: a smaller model would take part of the checkpoint
@@ -647,11 +675,14 @@ class Checkpointer:
         set_model_state_dict(model, state["model"])
         if "optim" in state:  # not strict: a parameter that had no gradient before the save has no state in it
             set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+        if with_groups:
+            for group, settings in zip(optimizer.param_groups, pickle.loads(state[GROUPS])):
+                group.update(settings)
         if "scheduler" in state:
             scheduler.load_state_dict(pickle.loads(state["scheduler"]))
         if rng_key in state:
             set_rng_state(pickle.loads(state[rng_key]))
-        else:
+        elif in_folder:
             logger.warning("checkpoint written by %s rank(s), resumed on %d: model, optimizer and data position "
                            "restored (resharded), random generator states not", info.get("world_size"), _world())
         # A run's line continues from a checkpoint of this folder: what it wrote after that is another line now (a

@@ -18,6 +18,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type, U
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 
 logger = logging.getLogger("fuselab.distributed")
@@ -101,6 +102,10 @@ def find_blocks(model: nn.Module, block_types: BlockTypes = None) -> List[Tuple[
                 best, best_params = (name, m), n
     if best is not None:
         return [(f"{best[0]}.{i}" if best[0] else str(i), k) for i, k in enumerate(best[1].children())]
+    if isinstance(model, torch.fx.GraphModule):  # fuse_linear_relu's torch.fx path flattens the blocks away
+        raise ValueError(f"no block to shard in {type(model).__name__}, a torch.fx GraphModule (fuse_linear_relu's fx "
+                         "path returns one: its blocks are inlined): shard the model itself; fuse_linear_relu after "
+                         "sharding fuses by module patching only (nn.Sequential pairs, known transformers blocks)")
     raise ValueError(f"no transformer block or repeated layer found in {type(model).__name__}: pass block_types=")
 
 

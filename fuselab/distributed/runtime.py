@@ -152,6 +152,10 @@ def init(device: Union[str, torch.device, None] = None, *, timeout_s: float = DE
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched != ("RANK" in os.environ or "WORLD_SIZE" in os.environ):  # one process would train as one of several
+        have, lack = ("RANK", "WORLD_SIZE") if "RANK" in os.environ else ("WORLD_SIZE", "RANK")
+        raise RuntimeError(f"{have}={os.environ[have]} is set but {lack} is not: start the ranks with torchrun (it "
+                           f"sets both), or unset {have} for a single process")
     rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -165,6 +169,10 @@ def init(device: Union[str, torch.device, None] = None, *, timeout_s: float = DE
     timeout = timedelta(seconds=timeout_s)
     _setup_logging(rank, log_level)
     if _RUNTIME is not None and dist.is_initialized():
+        if (_RUNTIME.timeout, _RUNTIME.device) != (timeout, dev):
+            logger.warning("init() again with collective timeout %.0f s and device %s: the group formed first keeps "
+                           "%.0f s and %s (shutdown() first to change them)", timeout_s, dev,
+                           _RUNTIME.timeout.total_seconds(), _RUNTIME.device)
         return _RUNTIME
     if not dist.is_initialized():
         if launched:

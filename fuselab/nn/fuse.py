@@ -276,6 +276,15 @@ def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
                 and (node.args[0].value + ".").startswith(dotted + ".")):
             if node.args[0].value != dotted:  # a module inside the Sequential
                 return True
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me
+              and len(node.args) >= 2 and not isinstance(node.args[1], ast.Constant)):
+            return True  # getattr(self, name): which attribute it takes is not in the source
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+              and node.targets[0].id != me
+              and any(reads_path(node.value, me, path[:i]) and _reaching_use(method, node.targets[0].id, path[i:])
+                      for i in range(1, len(path)))):
+            return True  # a module above the Sequential under another name: inner = self.inner; inner.mlp[0](x)
         elif not reads_path(node, me, path):
             continue
         up = parents.get(id(node))
@@ -290,6 +299,19 @@ def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
     return False
 
 
+def _init_closures(cls: type) -> Iterator[Tuple[str, ast.AST, str]]:
+    """(where, function, ``self``'s name) of each lambda or function that ``cls.__init__`` defines: it runs after
+    patching (``self.pre = lambda x: self.body[0](x)``), with ``__init__``'s ``self``."""
+    init = vars(cls).get("__init__")
+    tree = _source_tree(init) if init is not None else None
+    outer = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)), None) if tree else None
+    if outer is None or not outer.args.args:
+        return
+    for node in ast.walk(outer):
+        if node is not outer and isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield "__init__", node, outer.args.args[0].arg
+
+
 def _parent_reaches_inside(parent: nn.Module, path: Tuple[str, ...]) -> Optional[str]:
     """Why ``parent`` may use the Sequential at attribute ``path`` below it other than by calling it whole
     (``self.key[0](x)``, ``for layer in self.key``, ``self.block.mlp[0](x)`` from a module above: it would meet the
@@ -300,10 +322,13 @@ def _parent_reaches_inside(parent: nn.Module, path: Tuple[str, ...]) -> Optional
             type(parent).forward is nn.Sequential.forward and "forward" not in vars(parent)):
         return None
     cls, dotted = type(parent), ".".join(path)
-    for name, method in class_methods(cls, skip_modules=("torch.", "transformers.")):
+    methods = [(name, method, method.args.args[0].arg if method is not None and method.args.args else None)
+               for name, method in class_methods(cls, skip_modules=("torch.", "transformers."))]
+    if not cls.__module__.startswith(("torch.", "transformers.")):
+        methods += list(_init_closures(cls))
+    for name, method, me in methods:  # me: "self", by convention only
         if method is None:
             return f"{cls.__name__}.{name} has no readable source to check how it uses its Sequential {dotted}"
-        me = method.args.args[0].arg if method.args.args else None  # "self", by convention only
         if me is not None and _reaching_use(method, me, path):
             return (f"{cls.__name__}.{name} uses {me}.{dotted} other than by calling it (indexed or iterated, it "
                     "would meet the fused layer, ReLU included)")
@@ -350,12 +375,16 @@ def class_methods(cls: type, skip_modules: Tuple[str, ...] = ()) -> Iterator[Tup
 
 def _plan_sequentials(model, filter_fn, report) -> List[_Swap]:
     swaps = []
-    modules = dict(model.named_modules())
+    modules, every = dict(model.named_modules()), dict(model.named_modules(remove_duplicate=False))
+    names: Dict[int, List[str]] = {}
+    for name, module in every.items():  # a Sequential held under several names is reached from each
+        names.setdefault(id(module), []).append(name)
     for name, seq in modules.items():
         if not isinstance(seq, nn.Sequential):
             continue
         # read the sources above only for a Sequential with something to fuse
-        reaches = functools.cache(lambda: _ancestors_reach_inside(modules, name) if name else None)
+        reaches = functools.cache(lambda: next(filter(None, (_ancestors_reach_inside(every, n)
+                                                             for n in names[id(seq)] if n)), None))
         children = list(seq._modules.items())  # not named_children(): it skips a module's repeats
         for (key, layer), (act_key, act) in zip(children, children[1:] + [(None, None)]):
             if not _is_linear_layer(layer):

@@ -1175,7 +1175,11 @@ class _TiesAGrandchildsWeight(nn.Module):
 
     def forward(self, x):
         h = self.layers[1](self.layers[0](self.block(x)))
-        return F.linear(h, self.block.wi.weight[:8]) + self.layers[0].bias
+        return F.linear(h, self.block.wi.weight[:8]) + self.layers[0].bias + self._tail(h)
+
+    def _tail(self, h):
+        last = self.layers[1]  # under a local name
+        return h @ last.weight.t()
 
 
 def test_a_module_above_the_parent_that_reads_a_layers_weight_keeps_that_layer_float():
@@ -1187,7 +1191,8 @@ def test_a_module_above_the_parent_that_reads_a_layers_weight_keeps_that_layer_f
     assert "_TiesAGrandchildsWeight.forward reads self.block.wi.weight itself" in report.skipped["block.wi"]
     assert "_TiesAGrandchildsWeight.forward reads self.layers.0.bias itself" in report.skipped["layers.0"]
     assert "reads self.wo.weight itself" in report.skipped["block.wo"]  # the parent's own read, as before
-    assert list(report.replaced) == ["layers.1"] and type(model.block.wi) is nn.Linear
+    assert "_TiesAGrandchildsWeight._tail reads self.layers.1.weight itself" in report.skipped["layers.1"]
+    assert not report.replaced and type(model.block.wi) is nn.Linear
     with torch.no_grad():
         torch.testing.assert_close(model(x), expected, rtol=0.05, atol=0.05)
 

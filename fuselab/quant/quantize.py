@@ -322,27 +322,42 @@ def _replaced_types(config: Any) -> Tuple[type, ...]:
 def _weight_reads(cls: type) -> Dict[Tuple[str, ...], str]:
     """The paths below ``self`` whose float weight or bias a method of ``cls`` (torch.nn.Module's aside) reads
     itself, not through the layer's forward (``self.key.weight.dtype``, a fast path passing ``self.block.out.weight``
-    to a kernel, ``self.layers[0].fc.weight``): path -> why (a quantized layer there holds int8/fp8 buffers)."""
+    to a kernel, ``self.layers[0].fc.weight``, ``block = self.block; block.out.weight``): path -> why (a quantized
+    layer there holds int8/fp8 buffers)."""
     reads: Dict[Tuple[str, ...], str] = {}
     for name, method in class_methods(cls, skip_modules=("torch.nn.modules.module",)):
         me = method.args.args[0].arg if method is not None and method.args.args else None
-        for node in ast.walk(method) if me is not None else ():
+        if me is None:
+            continue
+        bases = {me: ()}  # names for self and for modules below it (local aliases), by their path
+        for node in ast.walk(method):
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id != me):
+                base, path = _chain(node.value)
+                if base == me and path:
+                    bases[node.targets[0].id] = path
+        for node in ast.walk(method):
             step = _attribute_step(node)
             if step is None or step[0] not in ("weight", "bias"):
                 continue
-            path, node = [], step[1]
-            while True:
-                taken = _path_step(node)
-                if taken is None:
-                    break
-                path.append(taken[0])
-                node = taken[1]
-            if path and isinstance(node, ast.Name) and node.id == me:
-                dotted = ".".join(reversed(path))
-                reads.setdefault(tuple(reversed(path)), f"{cls.__name__}.{name} reads {me}.{dotted}.{step[0]} "
-                                 "itself (a quantized layer's weight is an int8/fp8 buffer: what it does with it "
-                                 "would change)")
+            base, path = _chain(step[1])
+            if base in bases and bases[base] + path:
+                full = bases[base] + path
+                reads.setdefault(full, f"{cls.__name__}.{name} reads {me}.{'.'.join(full)}.{step[0]} itself (a "
+                                 "quantized layer's weight is an int8/fp8 buffer: what it does with it would change)")
     return reads
+
+
+def _chain(node: ast.AST) -> Tuple[Optional[str], Tuple[str, ...]]:
+    """``x.a.b[0]`` as ("x", ("a", "b", "0")); (None, ()) where it does not start at a name."""
+    path = []
+    while True:
+        taken = _path_step(node)
+        if taken is None:
+            break
+        path.append(taken[0])
+        node = taken[1]
+    return (node.id if isinstance(node, ast.Name) else None), tuple(reversed(path))
 
 
 def _path_step(node: ast.AST) -> Optional[Tuple[str, ast.AST]]:

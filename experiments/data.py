@@ -130,14 +130,18 @@ _R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++
 GPT2_EOT = 50256
 
 
+def _check_bpe_file(sdist: Path) -> None:
+    if not sdist.exists():
+        raise DataNotFound(f"no GPT-2 BPE file at {sdist}: `pip download --no-deps --no-binary :all: "
+                           "openai-whisper==20250625 -d data/` (or `make data`)")
+
+
 def gpt2_encoding(sdist: Path = WHISPER_SDIST):
     """tiktoken's r50k_base (GPT-2 BPE, 50,257 ids) from the ``gpt2.tiktoken`` file in whisper's sdist."""
     import tiktoken
 
     sdist = Path(sdist)
-    if not sdist.exists():
-        raise DataNotFound(f"no GPT-2 BPE file at {sdist}: `pip download --no-deps --no-binary :all: "
-                           "openai-whisper==20250625 -d data/` (or `make data`)")
+    _check_bpe_file(sdist)
     if sdist.suffix == ".tiktoken":
         text = sdist.read_text()
     else:
@@ -160,6 +164,8 @@ def gpt2_tokens(corpus: Path = PYTHON_DOCS, sdist: Path = WHISPER_SDIST, max_tok
                            f"installs {PYTHON_DOCS}, or pass a folder of text files")
     key = f"{corpus.resolve()}|{pattern}|{len(files)}|{sum(f.stat().st_size for f in files)}"
     cache = cache_dir() / f"gpt2-{abs(hash_text(key)):016x}.pt"
+    if Path(sdist) != WHISPER_SDIST:  # a path given: wrong, it is refused even where the ids are cached
+        _check_bpe_file(Path(sdist))
     if cache.exists():
         ids = torch.load(cache)
     else:

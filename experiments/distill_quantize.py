@@ -613,6 +613,10 @@ def main(argv=None):
     if args.load_students is not None:
         for meta, model in load_students(args.load_students):
             if meta["arch"]["kind"] in args.students or meta["name"] in args.students:
+                if meta.get("data", data.name) != data.name:  # its accuracy when trained: other test images
+                    raise SystemExit(f"--load-students {args.load_students}: {meta['provider']} seed {meta['seed']} "
+                                     f"was trained and scored on {meta['data']}, this run's data is {data.name}: "
+                                     "give the --data / --tiny it was trained with")
                 students.setdefault(meta["provider"], {})[meta["seed"]] = model.to(device)
                 print(f"loaded {meta['provider']} seed {meta['seed']} (test accuracy {meta['accuracy']:.4f} "
                       f"when trained, {meta['data']})")

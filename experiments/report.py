@@ -53,6 +53,7 @@ class View:
     geomean_by: Optional[Tuple[str, ...]] = None  # a geometric mean per ratio column and group of these keys
     title: str = ""  # "{op}", "{dtype}", ... from the split keys, and "{metric}"
     note: str = ""
+    target: Optional[Tuple[float, Tuple[str, ...]]] = None  # (an issue's ratio, the providers it applies to)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ torchvision's ResNet-18 adapted to 28x28 grayscale (3x3 stride-1 stem, no max-po
 Nesterov momentum, warm-up then cosine, bf16 autocast and channels-last on CUDA, random flips.
 images/s over timed windows (evaluations and the first steps left out); test accuracy after every
 epoch (the curve). Shape: ranks x images per rank per step.""",
-        command="python -m experiments.train_ddp --data data/fashion-mnist --epochs 5 --results",
+        command="python -m experiments.train_ddp --epochs 5 --results",
         views=tuple(View(m, index=("op", "shape", "dtype"), baseline=None, split=(), title=m)
                     for m in ("images/s per GPU", "final test accuracy", "peak MiB")),
         hide=("test accuracy", "train loss", "epoch s", "images/s"),
@@ -301,7 +302,8 @@ error of the four. On a CPU the Triton kernels run in the interpreter (mode `int
             View("TOP/s", index=("shape", "mode"), ops=("int8 gemm",), geomean_by=("mode",),
                  title="{op}: TOP/s (the bf16 peer's are TFLOP/s)"),
             View("TFLOP/s", index=("shape", "mode"), ops=("fp8 gemm",), geomean_by=("mode",), title="{op}: TFLOP/s"),
-            View("ms", index=("shape",), ops=("prefill",), title="{op}: ms per forward"),
+            View("ms", index=("shape",), ops=("prefill",), title="{op}: ms per forward",
+                 target=(1.3, ("int8 dynamic", "int8 fused norms", "fp8", "fp8 fused norms"))),
             View("ms", index=("shape", "mode"), ops=("distill loss",), title="{op}: ms per forward and backward"),
             View("ms", index=("shape", "mode"), ops=("distill loss",), baseline="torch compiled",
                  title="{op}: against torch.compile of the PyTorch form (the strongest peer)"),
@@ -388,13 +390,16 @@ quantized GEMM's (`--kernel scaled_gemm`), the others the bf16 fused matmul-ReLU
 A ResNet-50-class teacher trained here on Fashion-MNIST; ResNet-18-class and small-CNN students
 distilled from it (`DistillationLoss`) and trained from scratch for the same budget, on the same seeds'
 initial weights and batches; then the distilled students quantized: on the GPU by `quantize_` (INT8
-dynamic and static, FP8 rowwise: every Linear; convolutions stay bf16), on the CPU by torchao's pt2e
+dynamic and static, FP8 rowwise: every Linear; `int8 dynamic+conv` also the convolutions, the others keep them
+bf16), on the CPU by torchao's pt2e
 route (`quantize_pt2e_x86`, static INT8 convolutions and Linears). Accuracy is on the 10,000 test
 images; sizes are state_dict bytes; latencies are per batch (CPU: this machine's cores, wall; GPU:
 eager and replayed from a CUDA graph). See `experiments/distill_quantize.py` for the recipe.""",
-        command="python -m experiments.distill_quantize --device cuda --data data/fashion-mnist --teacher-epochs 10 "
-                "--epochs 6 --seeds 0,1,2 --save-students runs/students --results, then on a CPU "
+        command="python -m experiments.distill_quantize --device cuda --teacher-epochs 10 --epochs 6 --seeds 0,1,2 "
+                "--save-students runs/students --results` (on a GPU machine; where Fashion-MNIST is not installed, "
+                "copy its idx files and add `--data <folder>`), then `python -m experiments.distill_quantize "
                 "--load-students runs/students --results",
+        machine="a CPU",
         own_page="experiments.distill_quantize"),
 }
 
@@ -548,8 +553,22 @@ def render_view(res: Results, spec: Spec, view: View) -> Tuple[List[str], set]:
         if view.note:
             out += [view.note, ""]
         out += [markdown_table(table.header, table.lines), ""]
-        out += geomean_lines(table, view, index)
+        out += geomean_lines(table, view, index) + target_lines(table, view, baseline)
     return out, covered
+
+
+def target_lines(table: Table, view: View, baseline: Optional[str]) -> List[str]:
+    """Each ratio line of ``view.target``'s providers against the issue's ratio: met or missed, in words."""
+    if view.target is None or baseline is None:
+        return []
+    goal, providers = view.target
+    out = []
+    for provider in providers:
+        for key, ratio in table.ratios.get(f"{provider} x {baseline}", {}).items():
+            verdict = "met" if ratio >= goal else "**missed**"
+            out.append(f"- {', '.join(map(str, key))}: {provider} {ratio:.2f}x {baseline}, target >= {goal:g}x: "
+                       f"{verdict}")
+    return out + [""] if out else []
 
 
 def geomean_lines(table: Table, view: View, index: Sequence[str]) -> List[str]:

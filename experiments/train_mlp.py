@@ -19,6 +19,7 @@ import copy
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from experiments import data as datasets
 from experiments.harness import (
@@ -66,8 +67,9 @@ def load(path):
     return [(x.float().div(255).flatten(1), y) for x, y in splits], "Fashion-MNIST"
 
 
-def train(model, splits, epochs, batch, lr, device):
-    """Train ``epochs`` epochs with AdamW; (test accuracy, the training step, batches to time it on)."""
+def train(model, splits, epochs, batch, lr, device, desc=""):
+    """Train ``epochs`` epochs with AdamW (a progress bar named ``desc``); (test accuracy, the training step,
+    batches to time it on)."""
     (x, y), (xt, yt) = [(a.to(device), b.to(device)) for a, b in splits]
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
@@ -77,7 +79,7 @@ def train(model, splits, epochs, batch, lr, device):
         nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
 
-    for _ in range(epochs):
+    for _ in tqdm(range(epochs), desc=desc, unit="epoch"):
         for idx in torch.randperm(len(x), generator=gen).to(device).split(batch):
             step(x[idx], y[idx])
     model.eval()
@@ -119,7 +121,7 @@ def main(argv=None):
     op, shape = f"train on {device.type}", f"{name}, {d_in}-{h}-{h}-10, batch {args.batch}"
     for provider, make in PROVIDERS.select(None).items():
         model = make(copy.deepcopy(initial))
-        acc, step, batches = train(model, splits, args.epochs, args.batch, args.lr, device)
+        acc, step, batches = train(model, splits, args.epochs, args.batch, args.lr, device, desc=f"train {provider}")
         keys = dict(op=op, provider=provider, shape=shape, dtype="fp32", mode="wall", epochs=args.epochs)
         results.record(metric="test accuracy", value=acc, **keys)
         timing = time_call(cycle(step, batches), "wall", iters=args.timed_steps, warmup_iters=2)

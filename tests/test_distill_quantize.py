@@ -108,6 +108,10 @@ def test_tiny_run_end_to_end_then_load_students(fake_fmnist, sandbox, monkeypatc
                              shape="seeds 0")  # only the cnn was asked for
     teacher_lat = merged.select(op="cpu latency: teacher", shape="batch 1")
     assert teacher_lat[0]["weights"] == "trained"
+    # students of the tiny data scored on the full test set: their "accuracy - fp32" mixed two test sets
+    with pytest.raises(SystemExit, match=r"was trained and scored on .*tiny.*: give the --data / --tiny it was"):
+        dq.main(["--data", str(fake_fmnist), "--no-compile", "--out", str(sandbox / "other.json"),
+                 "--load-students", str(sandbox / "st"), "--students", "cnn"])
 
 
 @pytest.mark.gpu

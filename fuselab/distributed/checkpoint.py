@@ -220,6 +220,17 @@ def _state_to_load_into(model: torch.nn.Module, optimizer: Optional[torch.optim.
             p.grad = grad
 
 
+def _check_optimizer_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """ValueError for an optimizer holding tensors that are not the model's parameters: one built before
+    fully_shard_model (whose parameters it replaces) steps tensors the model no longer uses, and trains nothing."""
+    own = {id(p) for p in model.parameters()}
+    others = sum(id(p) not in own for group in optimizer.param_groups for p in group["params"])
+    if others:
+        raise ValueError(f"the optimizer holds {others} tensor(s) that are not parameters of the model: built before "
+                         "fully_shard_model (which replaces the parameters)? Build it after sharding; nothing was "
+                         "saved or loaded")
+
+
 def _saved_part(optim_state: Dict[str, Any], saved: set, path: Path) -> Dict[str, Any]:
     """``optim_state`` without the per-parameter state the checkpoint does not hold (a parameter that had no gradient
     before the save, a head used later, has none); ValueError where it holds state entries this optimizer does not
@@ -452,6 +463,8 @@ class Checkpointer:
         ``train_state`` that JSON would not give back as it is (before anything is written)."""
         asynchronous = self.async_save if async_save is None else bool(async_save)
         _check_save_arguments(step, train_state, asynchronous)
+        if optimizer is not None:
+            _check_optimizer_of(model, optimizer)
         self.wait()
         # Checkpoints of a line this Checkpointer did not load from (another run's) are never replaced, set aside or
         # joined (a second Checkpointer of one run: save through the first, with async_save per call)
@@ -607,6 +620,8 @@ class Checkpointer:
         through another Checkpointer) leaves the generators as they are. An optimizer saved without per-parameter
         state (before its first step, or one that keeps none) gets its parameter groups' settings back."""
         self.wait()
+        if optimizer is not None:
+            _check_optimizer_of(model, optimizer)
         in_folder = path is None  # this folder's checkpoint (a resume of this run), or another's (a warm start)
         # Rank 0 decides what is loaded and every rank follows (ranks reading a shared filesystem at different
         # moments could otherwise load different checkpoints, or one raise while the others wait in DCP's load)

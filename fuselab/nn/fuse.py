@@ -417,6 +417,8 @@ def fuse_linear_relu(model: nn.Module, filter_fn: Optional[Callable[[str, Option
     whose swap could change what the model computes, is left alone and the report says why; a
     model with nothing to fuse is returned unchanged. If ``filter_fn`` raises, nothing is changed.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse_linear_relu patches an nn.Module, got {type(model).__name__}")
     filter_fn = filter_fn or _accept_all
     report = FusionReport()
     swaps = _plan_hf_blocks(model, filter_fn, report) + _plan_sequentials(model, filter_fn, report)

@@ -22,7 +22,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from experiments.harness import RESULTS, ROOT, Results, geomean, markdown_table
 from fuselab._results import NotResults
@@ -83,6 +83,8 @@ class Spec:
     # A study that draws its own summary and figure (module with ``summary(res)`` and ``plot(res, path)``)
     # names its module here; its rows then get no generic tables.
     own_page: Optional[str] = None
+    # Lines after the tables stating the issues' targets met or missed (a function of the results).
+    targets: Optional[Callable[[Results], List[str]]] = None
 
 
 MATMUL_PROSE = """\
@@ -170,6 +172,37 @@ def _matmul_spec(title: str, cuda_prose: str, command_args: str, plot_suffix: st
                 views=MATMUL_VIEWS, hide=("ms",), orders=MATMUL_ORDERS,
                 plot=Plot("TFLOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "fwd", "dtype": "bf16"},
                           ylabel="TFLOP/s (bf16, M x N x K)", title=f"relu(a @ b + bias), bf16{plot_suffix}"))
+
+
+def sparse_targets(res: Results) -> List[str]:
+    """Issues 16 and 17 against each stream: SparseAdamW's fwd+bwd+step over SparseAdam's eager one (eager <= 0.5,
+    replayed from a CUDA graph <= 0.2; at uniform ids, SparseAdam / SparseAdamW eager >= 3) and the step alone under
+    a graph within 2x its bytes floor."""
+    def p50(op, provider, mode, metric="ms"):
+        found = select(res.rows, op=op, provider=provider, mode=mode, metric=metric, shape=shape)
+        return found[0]["p50"] if found and found[0].get("p50") else None
+
+    def mark(value, ok):
+        return "" if value is None else f"{value:.2f} " + ("met" if ok(value) else "**missed**")
+
+    lines = []
+    graphed = select(res.rows, op="fwd+bwd+step", provider="SparseAdamW", mode="graph")
+    for shape in dict.fromkeys(r["shape"] for r in graphed):
+        base, eager, graph = (p50("fwd+bwd+step", "SparseAdam", "eager"), p50("fwd+bwd+step", "SparseAdamW", "eager"),
+                              p50("fwd+bwd+step", "SparseAdamW", "graph"))
+        floor = p50("step", "SparseAdamW", "graph", "x floor")
+        if base is None or eager is None:
+            continue
+        speedup = f"{base / eager:.2f}x " + ("met" if base / eager >= 3 else "**missed**") if shape.startswith(
+            "uniform") else ""
+        lines.append([shape, mark(eager / base, lambda v: v <= 0.5), mark(graph and graph / base, lambda v: v <= 0.2),
+                      mark(floor, lambda v: v <= 2), speedup])
+    if not lines:
+        return []
+    return ["### The issues' targets", "",
+            markdown_table(["stream", "eager / SparseAdam eager (<= 0.5)", "graph / SparseAdam eager (<= 0.2)",
+                            "step alone, graph, x floor (<= 2)", "SparseAdam / SparseAdamW eager, uniform (>= 3)"],
+                           lines), ""]
 
 
 SPECS: Dict[str, Spec] = {
@@ -334,7 +367,8 @@ round's p50 in the results' `rounds`); `peak MiB` is each optimizer's own table,
 its eager step copies the lookups and gradient rows into the graph's buffers first (on the gpt2 stream,
 768 columns, its step alone is slower than plain SparseAdamW's). See `experiments/sparse_embedding.py`
 for the exact setup.""",
-        command="python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results"),
+        command="python -m experiments.sparse_embedding --throughput --tokens runs/gpt2_tokens.pt --results",
+        targets=sparse_targets),
     "model_eager": Spec(
         title="Patched OPT decoders in eager mode: stock vs fuselab",
         prose="""\
@@ -655,6 +689,8 @@ def render_study(res: Results, spec: Optional[Spec] = None) -> str:
     for view in default_views(res, covered, spec.hide):
         out += render_view(res, spec, view)[0]
     out += library_choice_lines(res)
+    if spec.targets is not None:
+        out += spec.targets(res)
     if res.failed:
         out += ["### Not measured", "", "Configurations that failed (the error's first line):", "",
                 markdown_table(["op", "provider", "shape", "dtype", "mode", "error", "run"],

@@ -951,6 +951,26 @@ def test_committed_docs_are_current(tmp_path):
             f"docs/results/{page.name} is stale: run `python -m experiments.report`"
 
 
+def test_report_states_the_issues_targets_met_or_missed():
+    # The pages showed the ratios but said nowhere that a target was missed
+    res = Results("sparse_embedding")
+    shape = "uniform, 1,000,000 x 128"
+    for op, provider, mode, metric, value in (
+            ("fwd+bwd+step", "SparseAdam", "eager", "ms", 1.2), ("fwd+bwd+step", "SparseAdamW", "eager", "ms", 0.6),
+            ("fwd+bwd+step", "SparseAdamW", "graph", "ms", 0.2), ("step", "SparseAdamW", "graph", "x floor", 2.5)):
+        res.record(op=op, provider=provider, shape=shape, dtype="fp32", mode=mode, metric=metric, value=value)
+    page = report.render_study(res)
+    assert f"| {shape} | 0.50 met | 0.17 met | 2.50 **missed** | 2.00x **missed** |" in page, page
+    quant = Results("quant_gemm")
+    quant.set_baseline("prefill", "fuselab bf16")
+    for provider, ms in (("fuselab bf16", 40.0), ("int8 fused norms", 30.0), ("fp8", 39.0)):
+        quant.record(op="prefill", provider=provider, shape="opt-1.3b 8x1024", dtype="bf16", mode="wall", metric="ms",
+                     value=ms)
+    page = report.render_study(quant)
+    assert "int8 fused norms 1.33x fuselab bf16, target >= 1.3x: met" in page
+    assert "fp8 1.03x fuselab bf16, target >= 1.3x: **missed**" in page
+
+
 def test_report_ratios_come_from_rows():
     res = Results("demo")
     res.set_baseline("fwd", "cuBLASLt")

@@ -1044,6 +1044,16 @@ class _ReachesByAComputedName(_ReusesTheReLU):
         return self.seq(x) + getattr(self, self.which)[0](x)
 
 
+class _CallsByAComputedName(_ReusesTheReLU):
+    which = "seq"
+
+    def forward(self, x):  # a module chosen by name and called whole: nothing reaches inside
+        return getattr(self, self.which)(x) * 2
+
+    def submodule(self, name):
+        return getattr(self, name)
+
+
 class _ReachesFromAClosure(_ReusesTheReLU):
     def __init__(self):
         super().__init__()
@@ -1064,7 +1074,8 @@ class _ReachesThroughASecondName(_ReusesTheReLU):
 
 @pytest.mark.parametrize("cls", [_KeepsFeatures, _ReusesTheReLU, _CallsItsSequential, _ReachesByName,
                                  _ReachesBySubmoduleName, _ReachesThroughItsChild, _ReachesThroughAnAlias,
-                                 _ReachesByAComputedName, _ReachesFromAClosure, _ReachesThroughASecondName])
+                                 _ReachesByAComputedName, _ReachesFromAClosure, _ReachesThroughASecondName,
+                                 _CallsByAComputedName])
 def test_a_parent_that_reaches_into_its_sequential_keeps_its_layers(cls):
     # Module patching fused the Sequential's pair while the parent iterated it (its features[0] got the ReLU)
     # or called its ReLU, by then an Identity. Such a parent's Sequential is left alone (the fx path may

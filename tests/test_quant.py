@@ -1197,6 +1197,24 @@ def test_a_module_above_the_parent_that_reads_a_layers_weight_keeps_that_layer_f
         torch.testing.assert_close(model(x), expected, rtol=0.05, atol=0.05)
 
 
+class _ReusesALocalName(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.enc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        m = self.norm
+        x = x * m.weight
+        m = self.enc  # the name now another module: which one `m.weight` means is not pinned down by the source
+        return m(x)
+
+
+def test_a_local_name_reused_for_other_modules_is_not_taken_for_a_weight_read():
+    model = _ReusesALocalName()
+    report = quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    assert list(report.replaced) == ["enc"], str(report)  # it was left float, "reads self.enc.weight itself"
+
+
 def test_setting_a_float_weight_on_a_quantized_layer_is_refused():
     # transformers' tie_weights() after quantize_ set the embedding's float weight on the quantized LM head: the
     # next forward raised an int8 GEMM dtype error naming neither the layer nor the cause.

@@ -269,6 +269,7 @@ def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
     ``reads_path`` reads it or as ``me.get_submodule("dotted.path")``."""
     parents = {id(child): node for node in ast.walk(method) for child in ast.iter_child_nodes(node)}
     dotted = ".".join(path)
+    aliases = _single_assignments(method)
     for node in ast.walk(method):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_submodule"
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == me and node.args
@@ -279,9 +280,10 @@ def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
               and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me
               and len(node.args) >= 2 and not isinstance(node.args[1], ast.Constant)):
-            return True  # getattr(self, name): which attribute it takes is not in the source
-        elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-              and node.targets[0].id != me
+            if _indexed_or_iterated(node, parents, method, aliases):
+                return True  # getattr(self, name)[0]: which module it indexes is not in the source
+            continue
+        elif (isinstance(node, ast.Assign) and id(node) in aliases and node.targets[0].id != me
               and any(reads_path(node.value, me, path[:i]) and _reaching_use(method, node.targets[0].id, path[i:])
                       for i in range(1, len(path)))):
             return True  # a module above the Sequential under another name: inner = self.inner; inner.mlp[0](x)
@@ -297,6 +299,27 @@ def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
             continue
         return True
     return False
+
+
+def _single_assignments(method: ast.AST) -> set:
+    """ids of the ``name = value`` statements whose name ``method`` assigns nowhere else (a local alias the source
+    pins down; a name reused for other modules is not taken for any of them)."""
+    assigns = [n for n in ast.walk(method) if isinstance(n, ast.Assign) and len(n.targets) == 1
+               and isinstance(n.targets[0], ast.Name)]
+    stores = [n.id for n in ast.walk(method) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    return {id(n) for n in assigns if stores.count(n.targets[0].id) == 1}
+
+
+def _indexed_or_iterated(node: ast.AST, parents: Dict[int, ast.AST], method: ast.AST, aliases: set) -> bool:
+    """Whether the module ``node`` evaluates to is indexed or iterated there, or through the local name it is
+    assigned to (``seq = getattr(self, name); seq[0](x)``)."""
+    up = parents.get(id(node))
+    if isinstance(up, ast.Assign) and id(up) in aliases:
+        name = up.targets[0].id
+        return any(_indexed_or_iterated(n, parents, method, set()) for n in ast.walk(method)
+                   if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load))
+    return (isinstance(up, ast.Subscript) and up.value is node) or (
+        isinstance(up, (ast.For, ast.comprehension)) and up.iter is node)
 
 
 def _init_closures(cls: type) -> Iterator[Tuple[str, ast.AST, str]]:

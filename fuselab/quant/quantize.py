@@ -25,7 +25,15 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils import parametrize
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
-from fuselab.nn.fuse import _attribute_step, ancestor_paths, class_methods, is_conv1d, training_mode, why_not_swapped
+from fuselab.nn.fuse import (
+    _attribute_step,
+    _single_assignments,
+    ancestor_paths,
+    class_methods,
+    is_conv1d,
+    training_mode,
+    why_not_swapped,
+)
 from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 from fuselab.quant.config import (
     Float8RowwiseConfig,
@@ -329,10 +337,10 @@ def _weight_reads(cls: type) -> Dict[Tuple[str, ...], str]:
         me = method.args.args[0].arg if method is not None and method.args.args else None
         if me is None:
             continue
-        bases = {me: ()}  # names for self and for modules below it (local aliases), by their path
+        bases = {me: ()}  # names for self and for modules below it (local aliases assigned once), by their path
+        aliases = _single_assignments(method)
         for node in ast.walk(method):
-            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                    and node.targets[0].id != me):
+            if isinstance(node, ast.Assign) and id(node) in aliases and node.targets[0].id != me:
                 base, path = _chain(node.value)
                 if base == me and path:
                     bases[node.targets[0].id] = path

@@ -960,15 +960,14 @@ def test_report_states_the_issues_targets_met_or_missed():
             ("fwd+bwd+step", "SparseAdamW", "graph", "ms", 0.2), ("step", "SparseAdamW", "graph", "x floor", 2.5)):
         res.record(op=op, provider=provider, shape=shape, dtype="fp32", mode=mode, metric=metric, value=value)
     page = report.render_study(res)
-    assert f"| {shape} | 0.50 met | 0.17 met | 2.50 **missed** | 2.00x **missed** |" in page, page
+    assert f"| {shape} | 0.50 met | 0.17 met | 2.50 **missed** | 2.00 **missed** |" in page, page
     quant = Results("quant_gemm")
     quant.set_baseline("prefill", "fuselab bf16")
     for provider, ms in (("fuselab bf16", 40.0), ("int8 fused norms", 30.0), ("fp8", 39.0)):
         quant.record(op="prefill", provider=provider, shape="opt-1.3b 8x1024", dtype="bf16", mode="wall", metric="ms",
                      value=ms)
     page = report.render_study(quant)
-    assert "int8 fused norms 1.33x fuselab bf16, target >= 1.3x: met" in page
-    assert "fp8 1.03x fuselab bf16, target >= 1.3x: **missed**" in page
+    assert "| opt-1.3b 8x1024 |  | 1.33 met | 1.03 **missed** |  |" in page, page  # int8 dynamic and fp8 fused norms absent
 
 
 def test_report_ratios_come_from_rows():

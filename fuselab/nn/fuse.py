@@ -16,6 +16,7 @@ left alone, with the reason in the report. Every decision is made before anythin
 error (from ``filter_fn``, say) leaves the model as it was.
 """
 import ast
+import collections
 import contextlib
 import dis
 import enum
@@ -253,14 +254,25 @@ def _attribute_step(node: ast.AST) -> Optional[Tuple[str, ast.AST]]:
     return None
 
 
-def reads_path(node: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
-    """Whether ``node`` is ``me.<path>`` (``self.block.mlp``, through attributes, getattr or ``_modules``)."""
-    for name in reversed(path):
+def attribute_chain(node: ast.AST) -> Tuple[Optional[str], Tuple[str, ...]]:
+    """``x.a.b[0]`` as ("x", ("a", "b", "0")): the name it starts at and its steps (``_attribute_step``'s, and an
+    index by a constant: a ModuleList's child "0"); (None, ()) where it does not start at a name."""
+    path = []
+    while True:
         taken = _attribute_step(node)
-        if taken is None or taken[0] != name:
-            return False
+        if taken is None and isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            taken = str(node.slice.value), node.value
+        if taken is None:
+            break
+        path.append(taken[0])
         node = taken[1]
-    return isinstance(node, ast.Name) and node.id == me
+    return (node.id if isinstance(node, ast.Name) else None), tuple(reversed(path))
+
+
+def reads_path(node: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
+    """Whether ``node`` is ``me.<path>`` (``self.block.mlp``, ``self.layers[0].mlp``, through attributes, getattr,
+    ``_modules`` or constant indices)."""
+    return attribute_chain(node) == (me, tuple(path))
 
 
 def _reaching_use(method: ast.AST, me: str, path: Tuple[str, ...]) -> bool:
@@ -306,8 +318,9 @@ def _single_assignments(method: ast.AST) -> set:
     pins down; a name reused for other modules is not taken for any of them)."""
     assigns = [n for n in ast.walk(method) if isinstance(n, ast.Assign) and len(n.targets) == 1
                and isinstance(n.targets[0], ast.Name)]
-    stores = [n.id for n in ast.walk(method) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
-    return {id(n) for n in assigns if stores.count(n.targets[0].id) == 1}
+    stores = collections.Counter(n.id for n in ast.walk(method) if isinstance(n, ast.Name)
+                                 and isinstance(n.ctx, ast.Store))
+    return {id(n) for n in assigns if stores[n.targets[0].id] == 1}
 
 
 def _indexed_or_iterated(node: ast.AST, parents: Dict[int, ast.AST], method: ast.AST, aliases: set) -> bool:
@@ -335,6 +348,9 @@ def _init_closures(cls: type) -> Iterator[Tuple[str, ast.AST, str]]:
             yield "__init__", node, outer.args.args[0].arg
 
 
+_LIBRARIES = ("torch.", "transformers.")  # modules whose classes' sources are not read (they do not reach inside)
+
+
 def _parent_reaches_inside(parent: nn.Module, path: Tuple[str, ...]) -> Optional[str]:
     """Why ``parent`` may use the Sequential at attribute ``path`` below it other than by calling it whole
     (``self.key[0](x)``, ``for layer in self.key``, ``self.block.mlp[0](x)`` from a module above: it would meet the
@@ -346,8 +362,8 @@ def _parent_reaches_inside(parent: nn.Module, path: Tuple[str, ...]) -> Optional
         return None
     cls, dotted = type(parent), ".".join(path)
     methods = [(name, method, method.args.args[0].arg if method is not None and method.args.args else None)
-               for name, method in class_methods(cls, skip_modules=("torch.", "transformers."))]
-    if not cls.__module__.startswith(("torch.", "transformers.")):
+               for name, method in class_methods(cls, skip_modules=_LIBRARIES)]
+    if not cls.__module__.startswith(_LIBRARIES):
         methods += list(_init_closures(cls))
     for name, method, me in methods:  # me: "self", by convention only
         if method is None:

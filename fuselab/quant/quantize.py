@@ -26,9 +26,9 @@ from torch.nn.utils import parametrize
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES
 from fuselab.nn.fuse import (
-    _attribute_step,
     _single_assignments,
     ancestor_paths,
+    attribute_chain,
     class_methods,
     is_conv1d,
     training_mode,
@@ -341,39 +341,16 @@ def _weight_reads(cls: type) -> Dict[Tuple[str, ...], str]:
         aliases = _single_assignments(method)
         for node in ast.walk(method):
             if isinstance(node, ast.Assign) and id(node) in aliases and node.targets[0].id != me:
-                base, path = _chain(node.value)
+                base, path = attribute_chain(node.value)
                 if base == me and path:
                     bases[node.targets[0].id] = path
         for node in ast.walk(method):
-            step = _attribute_step(node)
-            if step is None or step[0] not in ("weight", "bias"):
-                continue
-            base, path = _chain(step[1])
-            if base in bases and bases[base] + path:
-                full = bases[base] + path
-                reads.setdefault(full, f"{cls.__name__}.{name} reads {me}.{'.'.join(full)}.{step[0]} itself (a "
+            base, path = attribute_chain(node)
+            if base in bases and path and path[-1] in ("weight", "bias") and bases[base] + path[:-1]:
+                full = bases[base] + path[:-1]
+                reads.setdefault(full, f"{cls.__name__}.{name} reads {me}.{'.'.join(full)}.{path[-1]} itself (a "
                                  "quantized layer's weight is an int8/fp8 buffer: what it does with it would change)")
     return reads
-
-
-def _chain(node: ast.AST) -> Tuple[Optional[str], Tuple[str, ...]]:
-    """``x.a.b[0]`` as ("x", ("a", "b", "0")); (None, ()) where it does not start at a name."""
-    path = []
-    while True:
-        taken = _path_step(node)
-        if taken is None:
-            break
-        path.append(taken[0])
-        node = taken[1]
-    return (node.id if isinstance(node, ast.Name) else None), tuple(reversed(path))
-
-
-def _path_step(node: ast.AST) -> Optional[Tuple[str, ast.AST]]:
-    """``_attribute_step``, and an index by a constant (``x[0]``: a ModuleList's child "0")."""
-    taken = _attribute_step(node)
-    if taken is None and isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-        taken = str(node.slice.value), node.value
-    return taken
 
 
 def _why_not_quantized(layer: nn.Module, replaced: Tuple[type, ...] = _REPLACED,

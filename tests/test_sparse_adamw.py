@@ -606,7 +606,7 @@ def test_parameters_a_sparse_update_cannot_hold_are_refused(fused):
     assert not p.detach().any()
 
 
-@pytest.mark.parametrize("bad", ["amsgrad", "layout", "ids", "state"])
+@pytest.mark.parametrize("bad", ["amsgrad", "layout", "ids", "state", "state layout"])
 def test_a_refused_sparse_gradient_leaves_the_whole_step_undone(bad):
     # The amsgrad and layout refusals came mid-step: the parameters before the refused one were updated
     first, second = embedding(10, 3, "cpu"), embedding(10, 3, "cpu")
@@ -625,12 +625,17 @@ def test_a_refused_sparse_gradient_leaves_the_whole_step_undone(bad):
     if bad == "state":  # state loaded from a model of another vocabulary size (it was refused mid-step)
         opt.state[second.weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(12, 3),
                                     "exp_avg_sq": torch.zeros(12, 3)}
+    elif bad == "state layout":  # torch.optim.AdamW's state of a parameter stored transposed: named, before any update
+        opt.state[second.weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 10).t(),
+                                    "exp_avg_sq": torch.zeros(10, 3)}
     before = first.weight.detach().clone(), second.weight.detach().clone()
-    with pytest.raises((ValueError, IndexError), match="exp_avg has shape" if bad == "state" else None):
+    expected = {"state": "exp_avg has shape", "state layout": "optimizer state 'exp_avg' whose rows are contiguous"}
+    with pytest.raises((ValueError, IndexError), match=expected.get(bad)):
         opt.step()
     assert torch.equal(first.weight, before[0]) and torch.equal(second.weight, before[1])
-    assert list(opt.state) == ([second.weight] if bad == "state" else []), "no state made, no step counted"
-    assert bad != "state" or opt.state[second.weight]["step"] == 1
+    stateful = bad.startswith("state")
+    assert list(opt.state) == ([second.weight] if stateful else []), "no state made, no step counted"
+    assert not stateful or opt.state[second.weight]["step"] == 1
 
 
 @pytest.mark.parametrize("foreach", [None, False, True])

@@ -2,7 +2,7 @@
 import math
 import numbers
 import warnings
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.adamw import adamw
@@ -44,6 +44,9 @@ def _check_hyperparameters(group: dict) -> None:
             raise ValueError(f"invalid beta{i + 1} {beta!r}: must be a real number in [0, 1)")
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"invalid beta{i + 1} {beta}: must be in [0, 1)")
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")  # the per-row state a sparse update reads and writes
 
 
 class SparseAdamW(torch.optim.Optimizer):
@@ -145,9 +148,9 @@ class SparseAdamW(torch.optim.Optimizer):
         return state["step"]
 
     @staticmethod
-    def _rows(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """``t`` as (rows, row_numel) real numbers with unit-stride rows, or a ValueError that says why not.
-        A complex tensor is viewed as (real, imag) pairs, as torch.optim.AdamW treats it."""
+    def _rows(t: torch.Tensor, grad: torch.Tensor, what: str = "a parameter") -> torch.Tensor:
+        """``t`` as (rows, row_numel) real numbers with unit-stride rows, or a ValueError naming ``what`` ``t``
+        is and why not. A complex tensor is viewed as (real, imag) pairs, as torch.optim.AdamW treats it."""
         if grad.layout != torch.sparse_coo:
             raise ValueError(f"sparse gradients must be COO (torch.sparse_coo), got {grad.layout}")
         if grad.sparse_dim() != 1:
@@ -160,10 +163,10 @@ class SparseAdamW(torch.optim.Optimizer):
         except RuntimeError:
             rows = None
         if rows is None or (rows.shape[1] > 1 and rows.stride(1) != 1):
-            raise ValueError(f"sparse gradients need a parameter whose rows are contiguous, got shape "
+            raise ValueError(f"sparse gradients need {what} whose rows are contiguous, got shape "
                              f"{tuple(t.shape)} with strides {t.stride()}")
         if rows.shape[0] > 1 and rows.shape[1] > 0 and rows.stride(0) < rows.shape[1]:  # expand(): one row's write wins
-            raise ValueError(f"sparse gradients need a parameter whose rows do not overlap in memory, got shape "
+            raise ValueError(f"sparse gradients need {what} whose rows do not overlap in memory, got shape "
                              f"{tuple(t.shape)} with strides {t.stride()} (an expanded tensor? clone it)")
         return rows
 
@@ -184,7 +187,9 @@ class SparseAdamW(torch.optim.Optimizer):
                 state = self._state(p, group["amsgrad"])
                 if p.grad.is_sparse:
                     grad = p.grad
-                    rows = [param_rows[p], *(self._rows(t, grad) for t in (state["exp_avg"], state["exp_avg_sq"]))]
+                    rows = param_rows[p]
+                    if len(rows) == 1:  # its state made just now, in the parameter's layout
+                        rows = [rows[0], *(self._rows(state[name], grad) for name in _MOMENTS)]
                     self._step_on_device(p)
                     values = grad._values()
                     values = torch.view_as_real(values) if values.is_complex() else values
@@ -211,11 +216,12 @@ class SparseAdamW(torch.optim.Optimizer):
                       maximize=group["maximize"], has_complex=any(torch.is_complex(p) for p in params))
         return loss
 
-    def _check_sparse_gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
+    def _check_sparse_gradients(self) -> Dict[torch.Tensor, List[torch.Tensor]]:
         """What the update of any sparse gradient would refuse, checked for all before any update, so that a
         refusal leaves every parameter of the step as it was (raised mid-step, it left those before updated):
-        amsgrad, the gradient's and parameter's layouts, and the row ids that can be checked without waiting
-        for a GPU (one out of range: IndexError). Returns each such parameter's rows (``_rows``)."""
+        amsgrad, the gradient's, parameter's and loaded state's layouts, and the row ids that can be checked without
+        waiting for a GPU (one out of range: IndexError). Returns each such parameter's rows (``_rows``), then its
+        state's where it has state already."""
         param_rows = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -228,12 +234,15 @@ class SparseAdamW(torch.optim.Optimizer):
                 if not (p.is_floating_point() or p.is_complex()):  # the update would truncate into the integers
                     raise TypeError(f"SparseAdamW updates floating-point or complex parameters, got a {p.dtype} "
                                     f"parameter of shape {tuple(p.shape)}")
+                rows = [self._rows(p, grad)]
                 state = self.state.get(p, {})
-                for name in ("exp_avg", "exp_avg_sq"):  # a state dict of another model (another vocabulary size)
+                for name in _MOMENTS:  # a state dict of another model (another vocabulary size, layout)
                     if name in state and state[name].shape != p.shape:
                         raise ValueError(f"the optimizer state's {name} has shape {tuple(state[name].shape)}, its "
                                          f"parameter {tuple(p.shape)}: was the state dict saved for another model?")
-                param_rows[p] = self._rows(p, grad)
+                    if name in state:
+                        rows.append(self._rows(state[name], grad, f"the optimizer state {name!r}"))
+                param_rows[p] = rows
                 if not p.is_cuda and grad._nnz():
                     check_row_ids(grad._indices()[0], None, p)
         return param_rows

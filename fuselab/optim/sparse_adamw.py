@@ -148,20 +148,17 @@ class SparseAdamW(torch.optim.Optimizer):
         return state["step"]
 
     @staticmethod
-    def _rows(t: torch.Tensor, grad: torch.Tensor, what: str = "a parameter") -> torch.Tensor:
+    def _rows(t: torch.Tensor, what: str = "a parameter") -> torch.Tensor:
         """``t`` as (rows, row_numel) real numbers with unit-stride rows, or a ValueError naming ``what`` ``t``
         is and why not. A complex tensor is viewed as (real, imag) pairs, as torch.optim.AdamW treats it."""
-        if grad.layout != torch.sparse_coo:
-            raise ValueError(f"sparse gradients must be COO (torch.sparse_coo), got {grad.layout}")
-        if grad.sparse_dim() != 1:
-            raise ValueError(f"sparse gradient must be row-sparse (sparse_dim 1), got sparse_dim "
-                             f"{grad.sparse_dim()} for a parameter of shape {tuple(t.shape)}")
         if t.is_complex():
             t = torch.view_as_real(t)
-        try:
-            rows = t.view(t.shape[0], math.prod(t.shape[1:]))  # not -1: ambiguous for a parameter of no rows
-        except RuntimeError:
-            rows = None
+        rows = t if t.dim() == 2 else None  # an embedding table already is its rows (no view: host time a step)
+        if rows is None:
+            try:
+                rows = t.view(t.shape[0], math.prod(t.shape[1:]))  # not -1: ambiguous for a parameter of no rows
+            except RuntimeError:
+                pass
         if rows is None or (rows.shape[1] > 1 and rows.stride(1) != 1):
             raise ValueError(f"sparse gradients need {what} whose rows are contiguous, got shape "
                              f"{tuple(t.shape)} with strides {t.stride()}")
@@ -189,7 +186,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     grad = p.grad
                     rows = param_rows[p]
                     if len(rows) == 1:  # its state made just now, in the parameter's layout
-                        rows = [rows[0], *(self._rows(state[name], grad) for name in _MOMENTS)]
+                        rows = [rows[0], *(self._rows(state[name]) for name in _MOMENTS)]
                     self._step_on_device(p)
                     values = grad._values()
                     values = torch.view_as_real(values) if values.is_complex() else values
@@ -234,14 +231,19 @@ class SparseAdamW(torch.optim.Optimizer):
                 if not (p.is_floating_point() or p.is_complex()):  # the update would truncate into the integers
                     raise TypeError(f"SparseAdamW updates floating-point or complex parameters, got a {p.dtype} "
                                     f"parameter of shape {tuple(p.shape)}")
-                rows = [self._rows(p, grad)]
+                if grad.layout != torch.sparse_coo:
+                    raise ValueError(f"sparse gradients must be COO (torch.sparse_coo), got {grad.layout}")
+                if grad.sparse_dim() != 1:
+                    raise ValueError(f"sparse gradient must be row-sparse (sparse_dim 1), got sparse_dim "
+                                     f"{grad.sparse_dim()} for a parameter of shape {tuple(p.shape)}")
+                rows = [self._rows(p)]
                 state = self.state.get(p, {})
                 for name in _MOMENTS:  # a state dict of another model (another vocabulary size, layout)
                     if name in state and state[name].shape != p.shape:
                         raise ValueError(f"the optimizer state's {name} has shape {tuple(state[name].shape)}, its "
                                          f"parameter {tuple(p.shape)}: was the state dict saved for another model?")
                     if name in state:
-                        rows.append(self._rows(state[name], grad, f"the optimizer state {name!r}"))
+                        rows.append(self._rows(state[name], f"the optimizer state {name!r}"))
                 param_rows[p] = rows
                 if not p.is_cuda and grad._nnz():
                     check_row_ids(grad._indices()[0], None, p)

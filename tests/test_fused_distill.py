@@ -363,6 +363,23 @@ def test_fused_loss_with_student_and_teacher_of_different_row_strides():
             torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_teacher_logit_of_nan_or_inf_makes_its_rows_gradients_nan(bad):
+    # Both forms: the loss NaN and that row's gradients NaN, the other rows' finite. The kernel gave the teacher's
+    # row a gradient of 0 (a NaN p_t failed its p_t > 0 test), the PyTorch form the student's row a finite one.
+    torch.manual_seed(0)
+    s0, t0 = torch.randn(3, 8), torch.randn(3, 8)
+    t0[1, 3] = bad
+    y = torch.tensor([1, 2, -100])
+    for fused in (False, True):
+        s, t = s0.clone().requires_grad_(), t0.clone().requires_grad_()
+        loss = DistillationLoss(2.0, 0.5, fused=fused)(s, t, y)
+        loss.backward()
+        assert loss.isnan(), fused
+        for grad in (s.grad, t.grad):
+            assert grad[1].isnan().all() and grad[[0, 2]].isfinite().all(), (fused, grad)
+
+
 def test_a_target_out_of_range_makes_its_rows_student_gradient_nan():
     # FD10: the grad kernel's _bad_target term: the docstring promises the row's student gradient is NaN too.
     torch.manual_seed(0)

@@ -341,6 +341,8 @@ def test_quantized_model_on_the_cpu_path(config, monkeypatch):
 BAD_INPUTS = [
     ("float operands", dict(a=torch.randn(4, 8)), TypeError, "a and b must both be torch.int8"),
     ("K mismatch", dict(b=torch.zeros(9, 5, dtype=torch.int8)), ValueError, "K mismatch"),
+    # a weight passed untransposed: its K, not its scales' count, is what is named (a probe's)
+    ("b untransposed", dict(b=torch.zeros(5, 8, dtype=torch.int8)), ValueError, "K mismatch"),
     ("3-D b", dict(b=torch.zeros(1, 8, 5, dtype=torch.int8)), ValueError, "b (K, N)"),
     ("one scale", dict(b_scale=None), ValueError, "give both a_scale and b_scale"),
     ("fp16 scale", dict(a_scale=torch.ones(4, dtype=torch.float16)), TypeError, "a_scale must be float32"),
@@ -630,6 +632,22 @@ def test_every_config_on_an_mlp(config):
     for layer, (weight, bias, relu) in zip(layers, floats):  # each layer on its float input
         check_layer(layer, weight, bias, h, kind, relu)
         h = torch.relu(F.linear(h, weight, bias)) if relu else F.linear(h, weight, bias)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("relu", [False, True], ids=["linear", "linear-relu"])
+def test_a_row_holding_inf_or_nan_comes_out_nan(device, kind, relu):
+    # The float layer's row is not finite there; the quantized layer's was infinities of the wrong sign (and, with its
+    # ReLU fused, 0 where the float layer gives inf): +inf quantized to -QMAX. Now the row is NaN, never finite.
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 5).to(device)
+    layer = (Float8Linear if kind == "fp8" else Int8Linear).from_float(lin, relu=relu)
+    x = torch.randn(4, 16, device=device)
+    x[0, 3], x[1, 0], x[2, 7] = float("inf"), float("-inf"), float("nan")
+    out = layer(x)
+    assert out[:3].isnan().all(), out[:3]
+    assert out[3].isfinite().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -54,7 +54,14 @@ def test_rows_with_nan_or_inf_get_scales_that_are_not_finite(device, dtype, fp8,
     q_ref, scale_ref = rowwise._torch_rowwise(x, fp8)
     assert torch.isnan(scale[0]) and torch.isnan(scale_ref[0])
     assert scale[1:3].tolist() == scale_ref[1:3].tolist() == [float("inf")] * 2
-    assert torch.equal(scale[3], scale_ref[3]) and _same(q[3], q_ref[3])  # a finite row: the same bits
+    assert torch.equal(scale[3], scale_ref[3]) and _same(q, q_ref)  # the same bits, non-finite rows too
+    # their NaN quotients (NaN, +-inf over inf) quantize to 0: +inf became -QMAX (Triton's clamp drops NaN), and a
+    # layer's row came out as infinities of the wrong sign (its ReLU then gave 0 where the float layer gives inf)
+    assert q[0, 5].float() == q[1, K - 1].float() == q[2, 7].float() == 0 and not q[:3].float().isnan().any()
+    if not fp8:  # a finite static scale: NaN to 0, infinities saturate
+        static = quantize_int8_static(x[:3], torch.tensor(0.5, device=device))
+        assert static[0, 5] == 0 and static[1, K - 1] == 127 and static[2, 7] == -127
+        assert _same(static, rowwise._torch_static(x[:3], torch.tensor(0.5, device=device)))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -301,9 +301,7 @@ def check_inputs(op: str, operand_dtype: torch.dtype, accumulator_dtype: torch.d
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"{op}: a (M, K) and b (K, N) must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     (M, K), N = a.shape, b.shape[1]
-    if b.shape[0] != K:
-        raise ValueError(f"{op}: K mismatch: a has shape {tuple(a.shape)} (K={K}) "
-                         f"but b has shape {tuple(b.shape)} (K={b.shape[0]})")
+    check_k(op, a, b)
     if max_k is not None and K > max_k:
         raise ValueError(f"{op}: K={K} is above {max_k}: the {accumulator_dtype} accumulators could overflow")
     if (a_scale is None) != (b_scale is None):
@@ -343,6 +341,14 @@ def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: 
     return out.to(out_dtype)
 
 
+def check_k(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """ValueError where a (..., K) and b (K, N) disagree on K (checked before the scales: a weight passed
+    untransposed is then named as what it is)."""
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"{op}: K mismatch: a has shape {tuple(a.shape)} (K={a.shape[-1]}) "
+                         f"but b has shape {tuple(b.shape)} (K={b.shape[0]})")
+
+
 def _as_vector(scale: Optional[torch.Tensor], shape: Tuple[int, ...], what: str) -> Optional[torch.Tensor]:
     """A scale given per row of (..., K) operands (``shape`` = their leading dims), or one for all of
     them, as the ops' (n,); b's also as ``torch._scaled_mm``'s (1, n). Shapes must match, not only sizes:
@@ -371,6 +377,7 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
         raise TypeError(f"out_dtype must be a torch.dtype (torch.bfloat16, say), got {out_dtype!r}")
     if a.dim() < 1 or b.dim() != 2:
         raise ValueError(f"a must have shape (..., K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
+    check_k(op.__name__, a, b)
     a2 = a if a.dim() == 2 else a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: K may be 0
     a_scale = _as_vector(a_scale, tuple(a.shape[:-1]), "a_scale")
     b_scale = _as_vector(b_scale, (b.shape[1],), "b_scale")

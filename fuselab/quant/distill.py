@@ -39,7 +39,8 @@ class DistillationLoss(nn.Module):
     padding position; it still counts in the mean over N rows); a mask of finfo.min is a logit like any
     other (a row of them only is a uniform softmax, at any T; but at T < 1 a student logit there where the
     teacher puts any mass makes that class's log-ratio, |finfo.min| / T, overflow: the loss is inf, the
-    teacher's gradient inf or NaN, the student's finite). The math runs in fp32
+    teacher's gradient inf or NaN, the student's finite). A NaN or +inf teacher logit makes the loss NaN and
+    both gradients of its row NaN (the other rows' are unchanged), on both paths. The math runs in fp32
     (float64 inputs stay float64), with autocast off, whatever the logits' dtype. Gradients flow to
     both logits; compute the teacher's under ``torch.no_grad()`` to train the student alone.
 
@@ -104,9 +105,10 @@ def distillation_loss_torch(student_logits: torch.Tensor, teacher_logits: torch.
         log_p_s = F.log_softmax(torch.where(dead, 0.0, s_soft) / T, dim=-1)
         log_p_t = F.log_softmax(t / T, dim=-1)
         # KL(p_t || p_s) = sum p_t (log p_t - log p_s), summed over classes, mean over rows; a class the
-        # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too)
+        # teacher masks (logit -inf, p_t = 0) adds 0 (kl_div's 0 * -inf would be NaN, in its gradient too).
+        # A NaN p_t (a NaN or +inf teacher logit) is kept: its row's gradients are NaN, as its loss is.
         p_t = log_p_t.exp()
-        kept = (p_t > 0) & ~dead
+        kept = (p_t != 0) & ~dead
         kl = p_t * torch.where(kept, log_p_t - log_p_s, 0.0)
         soft = kl.sum() / s.shape[0] * (T * T)
         if alpha == 1.0:  # no hard term at all: 0 * a NaN cross-entropy would be NaN

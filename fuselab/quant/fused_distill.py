@@ -168,7 +168,9 @@ def grad_rows_kernel(
             p_t = tl.exp(log_p_t)  # NaN in a row the teacher masks whole: its soft gradient is 0
             ds += tl.where(m_t == float("-inf"), 0.0, soft_g * (tl.exp(log_p_s) - p_t))
             if WRITE_DT:
-                dt = tl.where(p_t > 0, soft_g * p_t * ((log_p_t - log_p_s) - kl), 0.0)
+                # 0 where the teacher puts no mass (its log-ratio is -inf); NaN where p_t is (a NaN or +inf logit)
+                dt = tl.where(p_t == 0, 0.0, soft_g * p_t * ((log_p_t - log_p_s) - kl))
+                dt = tl.where(m_t == float("-inf"), 0.0, dt)
                 tl.store(dt_ptr + row * stride_dt + c0 + cols, cast_rne(dt, dt_ptr.dtype.element_ty), mask=live)
         if HARD:
             onehot = tl.where(c0 + cols == y, 1.0, 0.0)

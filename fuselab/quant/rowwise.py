@@ -11,10 +11,11 @@ once where it fits one block (K <= 4096 or 7168 < K <= 8192; else twice, the sec
 writes the 1-byte values and the scale once.
 
 Where it runs: the Triton kernel on CUDA and in the interpreter; PyTorch's ops elsewhere, with the
-same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits
-for finite rows. A row holding NaN gets a NaN scale, one holding inf an inf scale (so a quantized
-layer's output row is not finite, as the float layer's); the 1-byte values of such a row are
-unspecified. A static scale is finite: NaN inputs become finite values there (int8 holds no NaN).
+same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits.
+A row holding NaN gets a NaN scale, one holding inf an inf scale, and a NaN quotient (NaN, or inf over an
+inf scale) quantizes to 0: such a row's values are 0 where they are not finite, so a quantized layer's
+output row is NaN (scale x accumulator), never finite or an infinity of either sign (the float layer's
+row is not finite either). A static scale is finite: NaN inputs quantize to 0 there, infinities to +-QMAX.
 """
 from typing import Tuple
 
@@ -92,7 +93,9 @@ def _row_scale(amax, scale_ptr, row, QMAX: tl.constexpr, TINY: tl.constexpr):
 def _quantize(x, scale, QMAX: tl.constexpr, TO_INT8: tl.constexpr):
     # x / scale, clamped and rounded to int8 or e4m3.
     v = tl.math.div_rn(x, scale)
-    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)  # clamp, then round: the same as round, then clamp
+    # clamp, then round: the same as round, then clamp. A NaN quotient (NaN, or inf over an inf scale) becomes 0,
+    # as in _nan_quotients_to_zero, not the clamp's -QMAX (Triton's min and max drop NaN operands).
+    v = tl.where(v != v, 0.0, tl.minimum(tl.maximum(v, -QMAX), QMAX))
     if TO_INT8:
         q = ((v + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int8)
     else:  # e4m3's rounding done exactly in fp32, so that the cast need not round (the
@@ -163,15 +166,21 @@ def _torch_rowwise(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tens
     amax = x.abs().amax(dim=-1).to(torch.float32).clamp_(min=_TINY)
     # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal (1 ulp off).
     scale = amax.div_(amax.new_full((), qmax))
-    quotient = x.to(torch.float32) / scale[..., None]  # a new tensor: rounded and clamped in place
+    quotient = _nan_quotients_to_zero(x.to(torch.float32) / scale[..., None])  # rounded and clamped in place
     if fp8:  # clamped first: a quotient that rounds past 448 would become NaN (e4m3fn has no infinity)
         return quotient.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     return quotient.round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8), scale
 
 
+def _nan_quotients_to_zero(quotient: torch.Tensor) -> torch.Tensor:
+    """NaN quotients (NaN inputs, inf over an inf scale) as 0, as the kernel's ``_quantize`` makes them (casting NaN
+    to int8 is undefined; the clamp's NaN would pass to fp8 as NaN)."""
+    return quotient.masked_fill_(quotient.isnan(), 0.0)
+
+
 def _torch_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``quantize_static`` by PyTorch's ops (``scale`` may be any shape that broadcasts)."""
-    return (x.to(torch.float32) / scale).round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    return _nan_quotients_to_zero(x.to(torch.float32) / scale).round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
 
 
 def _rows_fake(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -606,7 +606,7 @@ def test_parameters_a_sparse_update_cannot_hold_are_refused(fused):
     assert not p.detach().any()
 
 
-@pytest.mark.parametrize("bad", ["amsgrad", "layout", "ids", "state", "state layout"])
+@pytest.mark.parametrize("bad", ["amsgrad", "layout", "ids", "state", "state layout", "partial state"])
 def test_a_refused_sparse_gradient_leaves_the_whole_step_undone(bad):
     # The amsgrad and layout refusals came mid-step: the parameters before the refused one were updated
     first, second = embedding(10, 3, "cpu"), embedding(10, 3, "cpu")
@@ -628,12 +628,15 @@ def test_a_refused_sparse_gradient_leaves_the_whole_step_undone(bad):
     elif bad == "state layout":  # torch.optim.AdamW's state of a parameter stored transposed: named, before any update
         opt.state[second.weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 10).t(),
                                     "exp_avg_sq": torch.zeros(10, 3)}
+    elif bad == "partial state":  # one moment only: a bare TypeError or KeyError came mid-step
+        opt.state[second.weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(10, 3)}
     before = first.weight.detach().clone(), second.weight.detach().clone()
-    expected = {"state": "exp_avg has shape", "state layout": "optimizer state 'exp_avg' whose rows are contiguous"}
+    expected = {"state": "exp_avg has shape", "state layout": "optimizer state 'exp_avg' whose rows are contiguous",
+                "partial state": "not both exp_avg and exp_avg_sq"}
     with pytest.raises((ValueError, IndexError), match=expected.get(bad)):
         opt.step()
     assert torch.equal(first.weight, before[0]) and torch.equal(second.weight, before[1])
-    stateful = bad.startswith("state")
+    stateful = "state" in bad
     assert list(opt.state) == ([second.weight] if stateful else []), "no state made, no step counted"
     assert not stateful or opt.state[second.weight]["step"] == 1
 
@@ -1303,3 +1306,14 @@ def test_a_sparse_adam_state_dict_loads_and_steps():
     train(emb, opt, [torch.tensor([1, 3])])
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[0]["amsgrad"] is False
     assert torch.equal(opt.state[emb.weight]["step"], torch.tensor(2.0))
+
+
+def test_rows_of_a_parameter_subclass_are_a_plain_tensor():
+    # The C++ eager step takes plain tensors and Parameters only: a subclass's table (its view, a plain tensor) must
+    # not reach it as the subclass, or every eager CUDA step would take the Python path.
+    class TaggedParameter(torch.nn.Parameter):
+        pass
+
+    plain, tagged = torch.nn.Parameter(torch.zeros(4, 3)), TaggedParameter(torch.zeros(4, 3))
+    assert SparseAdamW._rows(plain) is plain  # no view made: host time a step
+    assert type(SparseAdamW._rows(tagged)) is torch.Tensor

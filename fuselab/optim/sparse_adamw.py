@@ -92,8 +92,9 @@ class SparseAdamW(torch.optim.Optimizer):
     numbers in [0, 1), foreach=True with fused=True, and fused=True with complex parameters; at ``step()``
     for a sparse gradient in a group with amsgrad=True, a sparse gradient that is not a row-sparse COO
     tensor of a parameter with contiguous rows that do not overlap in memory, and optimizer state of
-    another shape than its parameter; TypeError at ``step()`` for a sparse gradient of a parameter that is
-    not floating-point or complex; IndexError at ``step()`` for a row id outside its parameter's rows; each before any
+    another shape than its parameter, with rows that are not contiguous, or without both moments; TypeError
+    at ``step()`` for a sparse gradient of a parameter that is not floating-point or complex; IndexError at
+    ``step()`` for a row id outside its parameter's rows; each before any
     parameter of the step or its step count changes (on CUDA, where checking ids on the host would wait for
     the GPU, a device-side assert instead, as at ``nn.Embedding``'s id out of range: it ends the process's
     CUDA context). State (``exp_avg``, ``exp_avg_sq``) is kept in the parameter's dtype, as
@@ -153,7 +154,9 @@ class SparseAdamW(torch.optim.Optimizer):
         is and why not. A complex tensor is viewed as (real, imag) pairs, as torch.optim.AdamW treats it."""
         if t.is_complex():
             t = torch.view_as_real(t)
-        rows = t if t.dim() == 2 else None  # an embedding table already is its rows (no view: host time a step)
+        # An embedding table already is its rows (no view: host time a step); a Parameter subclass's view is a
+        # plain tensor, which the C++ eager path takes
+        rows = t if t.dim() == 2 and type(t) in (torch.Tensor, torch.nn.Parameter) else None
         if rows is None:
             try:
                 rows = t.view(t.shape[0], math.prod(t.shape[1:]))  # not -1: ambiguous for a parameter of no rows
@@ -238,6 +241,9 @@ class SparseAdamW(torch.optim.Optimizer):
                                      f"{grad.sparse_dim()} for a parameter of shape {tuple(p.shape)}")
                 rows = [self._rows(p)]
                 state = self.state.get(p, {})
+                if state and not all(name in state for name in _MOMENTS):
+                    raise ValueError(f"the optimizer state of a parameter of shape {tuple(p.shape)} holds "
+                                     f"{sorted(state)}, not both {' and '.join(_MOMENTS)}: a partial state dict?")
                 for name in _MOMENTS:  # a state dict of another model (another vocabulary size, layout)
                     if name in state and state[name].shape != p.shape:
                         raise ValueError(f"the optimizer state's {name} has shape {tuple(state[name].shape)}, its "

@@ -39,8 +39,8 @@ class DistillationLoss(nn.Module):
     padding position; it still counts in the mean over N rows); a mask of finfo.min is a logit like any
     other (a row of them only is a uniform softmax, at any T; but at T < 1 a student logit there where the
     teacher puts any mass makes that class's log-ratio, |finfo.min| / T, overflow: the loss is inf, the
-    teacher's gradient inf or NaN, the student's finite). A NaN or +inf teacher logit makes the loss NaN and
-    both gradients of its row NaN (the other rows' are unchanged), on both paths. The math runs in fp32
+    teacher's gradient inf or NaN, the student's finite). With alpha > 0, a NaN or +inf teacher logit makes the
+    loss NaN and both gradients of its row NaN (the other rows' are unchanged), on both paths. The math runs in fp32
     (float64 inputs stay float64), with autocast off, whatever the logits' dtype. Gradients flow to
     both logits; compute the teacher's under ``torch.no_grad()`` to train the student alone.
 

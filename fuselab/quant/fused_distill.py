@@ -61,7 +61,10 @@ STATS = 8  # floats kept a row: m and log z of s / T, t / T and s; KL; one unuse
 def _online_lse(m, z, x, inv_T):
     # (running max of x, running sum of e^((x - max) / T)) after the block x: the old sum rescaled to the new
     # max. Logits are shifted before they are scaled: x / T itself overflows at finfo.min for T < 1.
-    m_new = tl.maximum(m, tl.max(x, axis=0))
+    # tl.max drops NaN: a NaN logit makes the running max NaN, as torch.amax does (a row of it and -inf is then no
+    # padding row: its loss and gradients are NaN, as the PyTorch form's)
+    block_max = tl.max(x, axis=0) + tl.sum(tl.where(x != x, x, 0.0), axis=0)
+    m_new = tl.maximum(m, block_max, propagate_nan=tl.PropagateNan.ALL)
     safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all -inf prefix: sums stay 0, not NaN
     return m_new, z * tl.exp((m - safe) * inv_T) + tl.sum(tl.exp((x - safe) * inv_T), axis=0), safe
 

@@ -13,9 +13,10 @@ writes the 1-byte values and the scale once.
 Where it runs: the Triton kernel on CUDA and in the interpreter; PyTorch's ops elsewhere, with the
 same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits.
 A row holding NaN gets a NaN scale, one holding inf an inf scale, and a NaN quotient (NaN, or inf over an
-inf scale) quantizes to 0: such a row's values are 0 where they are not finite, so a quantized layer's
-output row is NaN (scale x accumulator), never finite or an infinity of either sign (the float layer's
-row is not finite either). A static scale is finite: NaN inputs quantize to 0 there, infinities to +-QMAX.
+inf scale) quantizes to 0: such a row's values are all +-0 (its finite values over that scale are +-0 too),
+so a quantized layer's output row is NaN (scale x accumulator), never finite or an infinity of either sign
+(the float layer's row is not finite either). A static scale is finite: NaN inputs quantize to 0 there,
+infinities to +-QMAX.
 """
 from typing import Tuple
 
@@ -174,8 +175,9 @@ def _torch_rowwise(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tens
 
 def _nan_quotients_to_zero(quotient: torch.Tensor) -> torch.Tensor:
     """NaN quotients (NaN inputs, inf over an inf scale) as 0, as the kernel's ``_quantize`` makes them (casting NaN
-    to int8 is undefined; the clamp's NaN would pass to fp8 as NaN)."""
-    return quotient.masked_fill_(quotient.isnan(), 0.0)
+    to int8 is undefined; the clamp's NaN would pass to fp8 as NaN). Infinities become +-finfo.max, which the clamp
+    that follows makes +-QMAX as it would have: one in-place pass."""
+    return quotient.nan_to_num_(0.0)
 
 
 def _torch_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

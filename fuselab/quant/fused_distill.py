@@ -61,10 +61,7 @@ STATS = 8  # floats kept a row: m and log z of s / T, t / T and s; KL; one unuse
 def _online_lse(m, z, x, inv_T):
     # (running max of x, running sum of e^((x - max) / T)) after the block x: the old sum rescaled to the new
     # max. Logits are shifted before they are scaled: x / T itself overflows at finfo.min for T < 1.
-    # tl.max drops NaN: a NaN logit makes the running max NaN, as torch.amax does (a row of it and -inf is then no
-    # padding row: its loss and gradients are NaN, as the PyTorch form's)
-    block_max = tl.max(x, axis=0) + tl.sum(tl.where(x != x, x, 0.0), axis=0)
-    m_new = tl.maximum(m, block_max, propagate_nan=tl.PropagateNan.ALL)
+    m_new = tl.maximum(m, tl.max(x, axis=0))
     safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all -inf prefix: sums stay 0, not NaN
     return m_new, z * tl.exp((m - safe) * inv_T) + tl.sum(tl.exp((x - safe) * inv_T), axis=0), safe
 
@@ -114,6 +111,8 @@ def loss_rows_kernel(
             mean_t = tl.where(share > 0, old, 0.0) + tl.sum(tl.where(e_t > 0, e_t * (1.0 / z_t) * ratio, 0.0), axis=0)
         if HARD:
             m_h, z_h, _ = _online_lse(m_h, z_h, s, 1.0)
+    # tl.max drops NaN, the sums keep it: a teacher row of NaN and -inf is no padding row but a NaN one (torch.amax)
+    m_t = tl.where(z_t != z_t, z_t, m_t)
     lz_s, lz_t, lz_h = tl.log(z_s), tl.log(z_t), tl.log(z_h)
     # a row the teacher masks whole (every logit -inf: a padding position) adds nothing, as in the PyTorch form
     kl = tl.where(m_t == float("-inf"), 0.0, mean_t - lz_t + lz_s)

@@ -316,7 +316,8 @@ def resolve_shapes(text: str) -> List[str]:
                 continue
             names.append(by_dims.get(dims, "x".join(map(str, dims))))
     if unknown:
-        raise ValueError(f"unknown shapes {unknown}: give MxNxK, a set {list(SHAPE_SETS)} or a name {list(SHAPES)}")
+        raise ValueError(f"unknown shapes {unknown}: give MxNxK (three positive integers), a set {list(SHAPE_SETS)} "
+                         f"or a name {list(SHAPES)}")
     return list(dict.fromkeys(names))
 
 

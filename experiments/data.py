@@ -130,10 +130,23 @@ _R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++
 GPT2_EOT = 50256
 
 
+_BPE_MEMBER = "whisper/assets/gpt2.tiktoken"
+
+
 def _check_bpe_file(sdist: Path) -> None:
+    """DataNotFound naming the problem unless ``sdist`` is a ``.tiktoken`` file or a tar holding _BPE_MEMBER."""
+    fetch = "`pip download --no-deps --no-binary :all: openai-whisper==20250625 -d data/` (or `make data`)"
     if not sdist.exists():
-        raise DataNotFound(f"no GPT-2 BPE file at {sdist}: `pip download --no-deps --no-binary :all: "
-                           "openai-whisper==20250625 -d data/` (or `make data`)")
+        raise DataNotFound(f"no GPT-2 BPE file at {sdist}: {fetch}")
+    if sdist.suffix == ".tiktoken":
+        return
+    try:
+        with tarfile.open(sdist) as tar:
+            if any(name.endswith(_BPE_MEMBER) for name in tar.getnames()):
+                return
+    except (tarfile.TarError, OSError):
+        pass
+    raise DataNotFound(f"{sdist} is not whisper's sdist holding {_BPE_MEMBER} (nor a .tiktoken file): {fetch}")
 
 
 def gpt2_encoding(sdist: Path = WHISPER_SDIST):
@@ -146,7 +159,7 @@ def gpt2_encoding(sdist: Path = WHISPER_SDIST):
         text = sdist.read_text()
     else:
         with tarfile.open(sdist) as tar:
-            member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
+            member = next(m for m in tar.getmembers() if m.name.endswith(_BPE_MEMBER))
             text = tar.extractfile(member).read().decode()
     ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in text.splitlines() if line)}
     return tiktoken.Encoding("r50k_base", pat_str=_R50K_PATTERN, mergeable_ranks=ranks,

@@ -72,6 +72,7 @@ from experiments import data as datasets
 from experiments.harness import (
     Results,
     add_output_args,
+    in_results,
     markdown_table,
     non_negative_int,
     output_path,
@@ -678,6 +679,9 @@ def main(argv=None):
         text = (f"--tiny: a smoke run of the machinery (tiny models, {len(data.x):,} training images, {args.epochs} "
                 f"epoch(s)); its accuracies mean nothing.\n\n" + text)
     print("\n" + text)
+    if in_results(out):  # its page and plot are docs/results', made by `python -m experiments.report`
+        print(f"saved {out} ({time.perf_counter() - t_start:.0f} s)")
+        return results
     out.with_suffix(".md").write_text(f"# {STUDY}\n\n{text}\n")
     png = plot(saved, out.with_suffix(".png"))
     print(f"saved {out}, {out.with_suffix('.md')}" + (f", {png}" if png else "")

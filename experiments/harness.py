@@ -248,15 +248,18 @@ def output_path(args: argparse.Namespace, study: str, *, smoke: Optional[str] = 
     run (``smoke``: the flag that makes it one, e.g. "--tiny", the default) bound for results/, and a file of
     another study to merge into. The committed results/ is only ever merged into (``args.merge`` set): a row
     there goes when the same labels are measured again (or fail), never because a run, a partial one (--quick,
-    a budget, an interrupt) or one on another device, did not measure it."""
+    a budget, an interrupt) or one on another device, did not measure it. An --out into results/ is held to the
+    same rules."""
     if args.out is not None and args.results:
         raise SystemExit("--out and --results are exclusive")
     if args.out is not None and args.out.is_dir():
         raise SystemExit(f"--out {args.out} is a folder: give the results file's path (e.g. {args.out / study}.json)")
+    into_results = args.results or (args.out is not None and in_results(args.out))  # --out results/x.json too
     smoke = smoke or ("--tiny" if getattr(args, "tiny", False) else None)
-    if smoke and args.results:  # its rows carry the real runs' labels: they would replace them
-        raise SystemExit(f"{smoke} is a smoke run: its numbers do not go into results/ (drop --results, or give --out)")
-    if args.results:
+    if smoke and into_results:  # its rows carry the real runs' labels: they would replace them
+        raise SystemExit(f"{smoke} is a smoke run: its numbers do not go into results/ (drop --results, or give an "
+                         f"--out outside results/)")
+    if into_results:
         args.merge = True
     path = args.out if args.out is not None else (RESULTS if args.results else RUNS) / f"{study}.json"
     if getattr(args, "merge", False) and path.exists():  # a file it cannot merge into: said before the work
@@ -267,6 +270,11 @@ def output_path(args: argparse.Namespace, study: str, *, smoke: Optional[str] = 
         if held != study:
             raise SystemExit(f"--merge: {path} holds study {held!r}, not {study!r}")
     return path
+
+
+def in_results(path: Path) -> bool:
+    """Whether ``path`` is a file of the committed results/ (written there only by merging, smoke runs never)."""
+    return path.resolve().parent == RESULTS.resolve()
 
 
 def shape_dims(name: str) -> Tuple[int, int, int]:

@@ -215,6 +215,8 @@ def main(argv=None):
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     args.device = harness.parse_device(p, args.device, STUDY)
+    if args.device.type != "cuda" and (args.trace or args.syncs):
+        p.error("--trace and --syncs profile CUDA steps (GPU idle time, synchronizing calls): nothing to do on the CPU")
     # an OPT grid on a CPU runs for many minutes and measures nothing fuselab does there
     if args.device.type == "cpu" and args.sizes != ["tiny"]:
         p.error(f"--sizes {','.join(args.sizes)} on the CPU: the patched models run PyTorch's ops there; use "

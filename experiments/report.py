@@ -1117,7 +1117,8 @@ def index_page(studies: Dict[str, Results]) -> str:
         "The committed files are `results/<study>.json`; a script writes them only with `--results` (by "
         "default it writes `runs/<study>.json`, which git ignores), atomically, and only merges into them: a "
         "row goes when its labels are measured again (or fail), never because a later run did not measure it "
-        "(smoke runs such as `--tiny` are refused there). Runs marked `converted from` were measured "
+        "(smoke runs such as `--tiny` are refused there, and an `--out` into `results/` is held to the same "
+        "rules). Runs marked `converted from` were measured "
         "before the harness existed and converted from the old files (their commit, date and GPU kept; their "
         "times were medians or means, so p20 = p50 = p80 there, and their stored ratios were dropped).", "",
         markdown_table(["study", "name", "rows", "runs", "latest"], lines), ""])

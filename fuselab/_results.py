@@ -78,7 +78,9 @@ def environment(commit: Optional[str] = None, dirty: Optional[bool] = None,
     elif dirty_env is not None:
         dirty = dirty_env not in ("0", "", "false")
     else:
-        status = _git("status", "--porcelain")  # untracked files too: a new configs file the tuner reads, say
+        # untracked files too (a new configs file the tuner reads, say); not the measurements and the pages made
+        # from them, which an earlier run of the same session may have just written
+        status = _git("status", "--porcelain", "--", ".", ":(exclude)results", ":(exclude)docs/results")
         dirty = bool(status) if status is not None else None
     from fuselab.kernels._runtime import INTERPRET, device_name
 

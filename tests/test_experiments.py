@@ -345,6 +345,12 @@ def test_results_are_only_merged_into_and_smoke_runs_stay_out(outdirs):
                                                                                   ("other", 2.0)]
     with pytest.raises(SystemExit, match="holds study 's', not 't'"):
         harness.output_path(p.parse_args(["--out", str(path), "--merge"]), "t")
+    # --out into results/ is held to the same rules (a probe's: `train_ddp --tiny --out results/train_ddp.json`
+    # replaced the committed H200 rows, and the docs published the smoke run)
+    with pytest.raises(SystemExit, match="--tiny is a smoke run"):
+        harness.output_path(p.parse_args(["--tiny", "--out", str(results / "s.json")]), "s")
+    args = p.parse_args(["--out", str(results / "s.json")])
+    assert harness.output_path(args, "s") == results / "s.json" and args.merge
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,6 +425,10 @@ def test_a_wrong_bpe_path_is_refused_even_with_the_ids_cached(tmp_path, monkeypa
     assert datasets.gpt2_tokens(corpus).tolist() == [1, 2, 50256]  # the default file: the cache serves
     with pytest.raises(datasets.DataNotFound, match="no GPT-2 BPE file at .*nonexistent"):
         datasets.gpt2_tokens(corpus, sdist=tmp_path / "nonexistent")
+    # a file that is there but is not the sdist (another wheel, a corrupt download): named, not a tarfile traceback
+    (tmp_path / "other.tar.gz").write_bytes(b"not a tar file")
+    with pytest.raises(datasets.DataNotFound, match="is not whisper's sdist holding whisper/assets/gpt2.tiktoken"):
+        datasets.gpt2_tokens(corpus, sdist=tmp_path / "other.tar.gz")
 
 
 def test_explicit_data_must_exist_and_be_whole(capsys, tmp_path, outdirs, monkeypatch):
@@ -1152,6 +1162,27 @@ def test_a_commit_given_in_full_is_recorded_as_gits_short_form(monkeypatch):
     monkeypatch.setenv("FUSELAB_GIT_DIRTY", "0")
     env = environment()
     assert env["commit"] == "0c9581116085" and env["dirty"] is False
+
+
+def test_a_run_is_dirty_for_code_changes_not_for_results_just_written(tmp_path, monkeypatch):
+    # A probe's: quickstart --results wrote results/quickstart.json, then its MLP stage's run was recorded dirty.
+    import subprocess
+
+    from fuselab import _results
+
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "code.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    monkeypatch.setattr(_results, "REPO", tmp_path)
+    monkeypatch.delenv("FUSELAB_GIT_DIRTY", raising=False)
+    for written in ("results/s.json", "docs/results/s.md"):
+        (tmp_path / written).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / written).write_text("{}")
+    assert _results.environment()["dirty"] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert _results.environment()["dirty"] is True
 
 
 def test_sparse_profile_pass_diagnoses_each_sparse_optimizer(capsys):

@@ -168,13 +168,14 @@ def test_second_process_reads_the_disk_cache(tmp_path):
     assert not at_import.exists()
 
 
-@pytest.mark.parametrize("content", ["[]", "null", '"text"', "3", "{not json"])
+@pytest.mark.parametrize("content", ["[]", "null", '"text"', "3", "{not json", b'\xff\xfe{"garbage'])
 def test_corrupt_cache_warns_once_and_is_rewritten(cache_dir, content):
+    # bytes that are not UTF-8 (a probe's) raised UnicodeDecodeError in every later process
     timed = []
     tuner = _timed_tuner(_scale_kernel, timed)
     path = tuner.cache_file()
     path.parent.mkdir(parents=True)
-    path.write_text(content)
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.warns(RuntimeWarning, match="autotune cache") as caught:
         _launch(tuner, 100)
         _launch(tuner, 300)  # a second new key reads the file again: no second warning

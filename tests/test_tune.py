@@ -337,6 +337,41 @@ def test_writing_configs_merges_same_version_and_drops_others(tmp_path):
     assert _autotune.shipped_choices("k", "fp2", path) == {"(3,)": "d"}
 
 
+def test_a_merged_configs_file_names_every_run_that_timed_its_choices(tmp_path):
+    # A probe's: after a second sweep was merged in, `about` named that sweep's run only.
+    path = tmp_path / "GPU.json"
+    _autotune.write_shipped_configs(path, "GPU", {"k": ("fp1", {"(1,)": "a"})}, {"sweep": "a.json", "runs": {"A": {}}})
+    _autotune.write_shipped_configs(path, "GPU", {"k": ("fp1", {"(2,)": "b"})}, {"sweep": "b.json", "runs": {"B": {}}})
+    assert sorted(json.loads(path.read_text())["about"]["runs"]) == ["A", "B"]
+
+
+def test_a_sweep_cut_by_its_budget_writes_no_configs(tmp_path, monkeypatch, capsys):
+    # A probe's: --budget-min with --write-configs shipped keys timed on part of their configs (a shipped key is
+    # never tuned on a user's machine).
+    cut = sweep.Outcome(tmp_path / "tune.json", Results("tune"), timed=2, left=18)
+    monkeypatch.setattr(sweep, "sweep", lambda *a, **k: cut)
+    configs = tmp_path / "configs"
+    argv = ["--out", str(tmp_path / "tune.json"), "--write-configs", "--configs-dir", str(configs), "--grid", "tiny"]
+    assert main(argv) == 1
+    assert "18 timings are left" in capsys.readouterr().err and not configs.exists()
+
+
+@pytest.mark.skipif(not _autotune.INTERPRET, reason="a GPU process would start a real sweep")
+def test_write_configs_in_the_interpreter_needs_a_folder_of_its_own(capsys):
+    # A probe's: TRITON_INTERPRET=1 without --dry-run wrote the interpreter's wall-clock choices into the package
+    with pytest.raises(SystemExit) as exit_:
+        main(["--write-configs", "--grid", "tiny"])
+    assert exit_.value.code == 2 and "give --configs-dir" in capsys.readouterr().err
+
+
+def test_write_configs_is_refused_before_timing_where_it_cannot_write(tmp_path, capsys):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--write-configs", "--configs-dir", str(blocker / "configs"), "--grid", "tiny"])
+    assert exit_.value.code == 2 and "cannot write the configs file" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------
 # Grids, checks, plots, the command line
 # ----------------------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ def _read_cache(path: Path) -> Dict[str, str]:
         text = path.read_text()
     except FileNotFoundError:
         return {}
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: bytes that are not UTF-8
         problem = f"cannot be read: {e}"
     else:
         try:
@@ -255,7 +255,13 @@ def write_shipped_configs(path: Path, gpu: str, kernels: Dict[str, Tuple[str, Di
                           about: Optional[dict] = None) -> Path:
     """Write (atomically) the config file ``path`` for ``gpu``: ``kernels`` maps a kernel's name to
     (fingerprint, {repr(tuning key): str(config)}). Choices already in the file for the same Triton and
-    kernel fingerprint are kept unless replaced; any other entry of that kernel is dropped."""
+    kernel fingerprint are kept unless replaced; any other entry of that kernel is dropped; the runs ``about``
+    names join those of the kept choices. Two writers at once wait for each other (the file is re-read under a lock)."""
+    with locked(path):
+        return _write_shipped_configs(path, gpu, kernels, about or {})
+
+
+def _write_shipped_configs(path: Path, gpu: str, kernels: Dict[str, Tuple[str, Dict[str, str]]], about: dict) -> Path:
     old = _read_shipped(path) if path.exists() else {}
     same_triton = old.get("triton") == triton.__version__
     merged: Dict[str, dict] = {}
@@ -263,9 +269,12 @@ def write_shipped_configs(path: Path, gpu: str, kernels: Dict[str, Tuple[str, Di
         previous = old.get("kernels", {}).get(name, {}) if same_triton else {}
         kept = previous.get("configs", {}) if previous.get("fingerprint") == fingerprint else {}
         merged[name] = {"fingerprint": fingerprint, "configs": dict(sorted({**kept, **configs}.items()))}
-    if same_triton:  # kernels this sweep did not cover keep their entries
+    if same_triton:  # kernels this sweep did not cover keep their entries, and the runs that timed them stay named
         merged = {**{k: v for k, v in old.get("kernels", {}).items() if k not in merged}, **merged}
-    data = {"format": CONFIGS_FORMAT, "gpu": gpu, "triton": triton.__version__, "about": about or {},
+        old_runs = old.get("about", {}).get("runs")
+        if isinstance(old_runs, dict) and isinstance(about.get("runs"), dict):
+            about = {**about, "runs": {**old_runs, **about["runs"]}}
+    data = {"format": CONFIGS_FORMAT, "gpu": gpu, "triton": triton.__version__, "about": about,
             "kernels": dict(sorted(merged.items()))}
     write_json_atomic(path, data)
     return path

@@ -96,8 +96,14 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
         p.error("--retry-failed goes with --resume (a new sweep times everything)")
     if args.dirty and args.commit is None:
         p.error("--dirty describes --commit: give both")
-    if args.dry_run and args.write_configs and args.configs_dir is None:  # later interpreter runs would read them
-        p.error("--dry-run --write-configs would write the interpreter's choices into the package: give --configs-dir")
+    if (args.dry_run or INTERPRET) and args.write_configs and args.configs_dir is None:  # interpreter runs read it
+        p.error("--write-configs in the interpreter (--dry-run, TRITON_INTERPRET=1) would write its wall-clock choices "
+                "into the package: give --configs-dir")
+    if args.write_configs:  # before any timing, not after a sweep of many minutes
+        where = args.configs_dir if args.configs_dir is not None else _autotune.SHIPPED_CONFIGS_DIR
+        folder = next((d for d in [where, *where.parents] if d.exists()), Path("."))
+        if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+            p.error(f"--write-configs: cannot write the configs file under {where} ({folder} is not a writable folder)")
     if args.out is not None:  # before any timing, not when the results are first saved
         if args.out.is_dir():
             p.error(f"--out {args.out} is a folder: give the results file's path")
@@ -196,6 +202,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(summary(outcome.results))
         state = f"{outcome.left} timings left: run again with --resume" if outcome.left else "the sweep is complete"
         print(f"{outcome.timed} configs timed; {state} ({out})")
+        if args.write_configs and outcome.left:  # a key cut by the budget would ship a choice of part of its configs
+            print(f"error: not writing configs: {outcome.left} timings are left (--budget-min): run again with "
+                  f"--resume --write-configs", file=sys.stderr)
+            return 1
         if args.write_configs:
             print(f"wrote {write_configs(outcome.results, args.configs_dir, source=out.name)}")
         return 0

@@ -99,17 +99,25 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     if (args.dry_run or INTERPRET) and args.write_configs and args.configs_dir is None:  # interpreter runs read it
         p.error("--write-configs in the interpreter (--dry-run, TRITON_INTERPRET=1) would write its wall-clock choices "
                 "into the package: give --configs-dir")
-    if args.write_configs:  # before any timing, not after a sweep of many minutes
+    # where the sweep writes, checked before any timing, not after a sweep of many minutes
+    if args.write_configs:
         where = args.configs_dir if args.configs_dir is not None else _autotune.SHIPPED_CONFIGS_DIR
-        folder = next((d for d in [where, *where.parents] if d.exists()), Path("."))
-        if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        folder = _unwritable_folder(where)
+        if folder is not None:
             p.error(f"--write-configs: cannot write the configs file under {where} ({folder} is not a writable folder)")
-    if args.out is not None:  # before any timing, not when the results are first saved
+    if args.out is not None:
         if args.out.is_dir():
             p.error(f"--out {args.out} is a folder: give the results file's path")
-        folder = next((d for d in [args.out.parent, *args.out.parent.parents] if d.exists()), Path("."))
-        if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        folder = _unwritable_folder(args.out.parent)
+        if folder is not None:
             p.error(f"--out {args.out}: cannot write under {folder}")
+
+
+def _unwritable_folder(where: Path) -> Optional[Path]:
+    """None where files can be made at ``where`` (its missing folders created), else its nearest existing ancestor,
+    which is not a writable folder."""
+    folder = next((d for d in [where, *where.parents] if d.exists()), Path("."))
+    return None if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK) else folder
 
 
 def _run_in_interpreter(argv: List[str]) -> int:

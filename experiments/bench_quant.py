@@ -22,8 +22,11 @@ Ops and providers (the first one named is each op's baseline; the report compute
                 quantized by ``quantize_`` with ``Int8DynamicActivationInt8WeightConfig`` /
                 ``Float8RowwiseConfig``: every Linear, lm_head too, fc1's ReLU in the epilogue),
                 int8 fused norms and fp8 fused norms (the same with ``fuse_norms=True``: each layer's norms
-                quantize their rows once, for q/k/v and for fc1). The issue's target: quantized at least
-                1.3x faster than fuselab bf16.
+                quantize their rows once, for q/k/v and for fc1), int8 static (static per-tensor activation
+                scales calibrated on 2 batches of 4 x 256 other random tokens) and int8 static fused (the same
+                with ``fuse_norms`` and ``fuse_outputs``: the norms and fc1's epilogue write the int8 inputs of
+                the layers after them, no quantization pass left but out_proj's). The issue's target: quantized
+                at least 1.3x faster than fuselab bf16.
     distill loss
                 ``DistillationLoss(T=2, alpha=0.5)`` forward and backward on bf16 (N, C) student logits
                 (the teacher's without gradient): torch (the PyTorch form, the baseline), torch compiled (the
@@ -85,6 +88,8 @@ from fuselab.quant import (
     DistillationLoss,
     Float8RowwiseConfig,
     Int8DynamicActivationInt8WeightConfig,
+    Int8StaticActivationInt8WeightConfig,
+    calibrate,
     fp8_matmul,
     int8_matmul,
     quantize_,
@@ -363,7 +368,8 @@ def quantized_model(stock: torch.nn.Module, config) -> Tuple[torch.nn.Module, di
     if not report.replaced:
         raise RuntimeError(f"quantize_ replaced no layer:\n{report}")
     return model, dict(info, quantized_layers=len(report.replaced), skipped_layers=len(report.skipped),
-                       **({"fused_norms": len(report.norms)} if report.norms else {}))
+                       **({"fused_norms": len(report.norms)} if report.norms else {}),
+                       **({"quantized_outputs": len(report.outputs)} if report.outputs else {}))
 
 
 @PREFILL.register("int8 dynamic")
@@ -374,6 +380,26 @@ def int8_model(stock: torch.nn.Module) -> Tuple[torch.nn.Module, dict]:
 @PREFILL.register("int8 fused norms")
 def int8_fused_norms_model(stock: torch.nn.Module) -> Tuple[torch.nn.Module, dict]:
     return quantized_model(stock, Int8DynamicActivationInt8WeightConfig(fuse_norms=True))
+
+
+CALIBRATION_TOKENS = (4, 256)  # a static provider's calibration batch (batch, sequence), 2 of them
+
+
+@PREFILL.register("int8 static")
+def int8_static_model(stock: torch.nn.Module, fuse: bool = False) -> Tuple[torch.nn.Module, dict]:
+    patched, _ = patched_model(stock)
+    generator = torch.Generator().manual_seed(1)  # other tokens than the timed ones
+    device = next(stock.parameters()).device
+    batches = [torch.randint(0, stock.config.vocab_size, CALIBRATION_TOKENS, generator=generator).to(device)
+               for _ in range(2)]
+    scales = calibrate(patched, batches, len(batches), progress=False).act_scales()
+    del patched
+    return quantized_model(stock, Int8StaticActivationInt8WeightConfig(scales, fuse_norms=fuse, fuse_outputs=fuse))
+
+
+@PREFILL.register("int8 static fused")
+def int8_static_fused_model(stock: torch.nn.Module) -> Tuple[torch.nn.Module, dict]:
+    return int8_static_model(stock, fuse=True)
 
 
 @PREFILL.register("fp8")

@@ -910,22 +910,26 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     assert again.failed[-1]["provider"] == "_scaled_mm" and "ZeroDivisionError" in again.failed[-1]["error"]
     assert again.value(op="fp8 gemm", provider="fuselab fp8", mode="eager", metric="rel err") < 1e-2
 
-    args.providers = {"prefill": ["fuselab bf16", "int8 dynamic", "int8 fused norms"]}
+    args.providers = {"prefill": ["fuselab bf16", "int8 dynamic", "int8 fused norms", "int8 static", "int8 static fused"]}
     events = []  # --profile: every provider timed before any is profiled (a profiler session slows later launches)
     monkeypatch.setattr(bench_quant, "time_call", lambda fn, mode, **kw: events.append("time") or one_call(fn, mode))
     monkeypatch.setattr(bench_quant, "kernel_table", lambda fn, steps: events.append("profile") or "table")
     args.profile = True
     bench_quant.measure_prefill(res, "tiny", (1, 8), args, device="cpu")
-    assert events == ["time"] * 3 + ["profile"] * 3, events
+    assert events == ["time"] * 5 + ["profile"] * 5, events
     assert not [f for f in res.failed if f["op"] == "prefill"], res.failed
     rows = res.select(op="prefill", metric="ms")
-    assert {r["provider"] for r in rows} == {"fuselab bf16", "int8 dynamic", "int8 fused norms"}
+    assert {r["provider"] for r in rows} == set(args.providers["prefill"])
     assert {r["mode"] for r in rows} == {"wall"}
     assert res.value(op="prefill", provider="int8 dynamic", metric="ms", stat="p50") == 2.0
     assert rows[1]["quantized_layers"] == 2 * 6 + 1  # q, k, v, out, fc1, fc2 per layer, and lm_head
     assert rows[2]["quantized_layers"] == 2 * 6 + 1 and rows[2]["fused_norms"] == 2 * 2  # and each layer's norms
     assert res.value(op="prefill", provider="int8 fused norms", metric="rel err") < 0.1
     assert res.value(op="prefill", provider="int8 dynamic", metric="rel err") < 0.1
+    assert "fused_norms" not in rows[3] and rows[4]["fused_norms"] == 2 * 2 and rows[4]["quantized_outputs"] == 2
+    # the fusions hand on the int8 values the static layers would make themselves: the same logits
+    assert res.value(op="prefill", provider="int8 static fused", metric="rel err") == \
+        res.value(op="prefill", provider="int8 static", metric="rel err") < 0.1
     page = report.render_study(res)
     assert "### int8 gemm: TOP/s" in page and "| _int_mm | _int_mm row-major B | fuselab int8 | fuselab bf16 |" in page
     assert "int8 dynamic x fuselab bf16" in page and "### Not measured" in page

@@ -15,11 +15,19 @@ from fuselab.quant import (
     Float8RowwiseConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8Linear,
+    Int8StaticActivationInt8WeightConfig,
+    calibrate,
     norm_quant,
     quantize_,
 )
-from fuselab.quant.norm_quant import MAX_K, QuantizedLayerNorm, QuantizedRows, layer_norm_quantize_rows
-from fuselab.quant.rowwise import FP8_MAX, _torch_rowwise
+from fuselab.quant.norm_quant import (
+    MAX_K,
+    QuantizedLayerNorm,
+    QuantizedRows,
+    layer_norm_quantize_rows,
+    layer_norm_quantize_static,
+)
+from fuselab.quant.rowwise import FP8_MAX, _torch_rowwise, _torch_static
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -92,6 +100,36 @@ def test_strided_weight_and_bias_are_read_through_their_strides(device):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_static_kernel_quantizes_with_the_one_scale(device, dtype):
+    # a static scale: the unfused norm then quantize_int8_static, but where the norm's last bit decides a step
+    # (as the dynamic kernel); values past 127 steps clip; the scale is read, not written
+    x, w, b = _rows(768, dtype, device, rows=64)
+    for scale in (0.02, 0.005):  # the norm's values span about +-4: the second clips
+        s = torch.tensor(scale, device=device)
+        q = layer_norm_quantize_static(x, w, b, 1e-5, s)
+        want = _torch_static(F.layer_norm(x, (768,), w, b, 1e-5), s)
+        assert q.dtype == torch.int8 and q.shape == x.shape and s.item() == torch.tensor(scale).item()  # read only
+        assert (q == want).float().mean() > 0.99 and (q.int() - want.int()).abs().max() <= 1
+    assert (q.abs() == 127).float().mean() > 0.01
+
+
+def test_static_op_checks_its_scale_and_pytorchs_path_is_the_unfused_layers(monkeypatch):
+    x, w, b = _rows(300, torch.bfloat16, "cpu")
+    s = torch.tensor(0.03)
+    for bad in (torch.ones(2), torch.tensor(1.0, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="layer_norm_quantize_static: scale must be one float32 value on cpu"):
+            layer_norm_quantize_static(x, w, b, 1e-5, bad)
+    with pytest.raises(ValueError, match="weight must be \\(300,\\) torch.bfloat16"):
+        layer_norm_quantize_static(x, w[:10], b, 1e-5, s)
+    torch.library.opcheck(torch.ops.fuselab.layer_norm_quantize_static, (x, w, b, 1e-5, s),
+                          test_utils=("test_schema", "test_faketensor"))
+    monkeypatch.setattr(norm_quant, "_runs_triton", lambda x: False)
+    assert torch.equal(layer_norm_quantize_static(x, w, b, 1e-5, s),
+                       _torch_static(F.layer_norm(x, (300,), w, b, 1e-5), s))
+
+
 def test_pytorchs_path_is_the_unfused_layers_bit_for_bit(monkeypatch):
     monkeypatch.setattr(norm_quant, "_runs_triton", lambda x: False)
     for fp8 in (False, True):
@@ -124,7 +162,7 @@ def test_quantized_rows_are_refused_by_everything_but_a_quantized_linear():
     assert rows.size(-1) == 16 and rows.dim() == 3 and "int8 rows standing for torch.float32" in repr(rows)
     for use in (lambda r: r + 1, lambda r: r.view(15, 16), lambda r: torch.relu(r), lambda r: r.half(),
                 lambda r: F.linear(r, torch.ones(4, 16)), lambda r: r.sum(), lambda r: nn.Linear(16, 4)(r)):
-        with pytest.raises(RuntimeError, match="output of a QuantizedLayerNorm .* fuse_norms=False"):
+        with pytest.raises(RuntimeError, match="on quantized rows .* quantize without those options"):
             use(rows)
     with pytest.raises(TypeError, match="Float8Linear takes fp8 activations, got torch.int8 rows"):
         Float8Linear.from_float(nn.Linear(16, 4))(rows)  # an int8 norm's rows: named, not read as fp8 bytes
@@ -220,3 +258,81 @@ def test_fused_norms_compile_and_trace_as_the_unfused_layers():
         traced = torch.jit.trace(norm, torch.randn(2, 7, 32), check_trace=False)  # eager: QuantizedRows
         x = torch.randn(3, 4, 32)
         assert torch.equal(traced(x), F.layer_norm(x, (32,), norm.weight, norm.bias, norm.eps))
+
+
+def _static_config(model, **fusions):
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    return Int8StaticActivationInt8WeightConfig(calibrate(model, [ids], 1, progress=False).act_scales(), **fusions)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_a_static_decoder_with_fused_norms_and_outputs_computes_its_unfused_quantized_form(kernel, monkeypatch):
+    # the norms quantize with their readers' one static scale, fc1's epilogue with fc2's: the int8 values the
+    # unfused static layers make themselves, so the logits agree (bit for bit on PyTorch's path)
+    if not kernel:
+        monkeypatch.setattr(norm_quant, "_runs_triton", lambda x: False)
+    model = fuse_linear_relu(_opt())[0]
+    unfused, fused = copy.deepcopy(model), copy.deepcopy(model)
+    quantize_(unfused, _static_config(model))
+    report = quantize_(fused, _static_config(model, fuse_norms=True, fuse_outputs=True))
+    layers = [f"model.decoder.layers.{i}" for i in range(2)]
+    assert "fused 4 norm(s), left 0; 2 output(s) quantized in the epilogue, left 0" in str(report), str(report)
+    assert all("with their static scale" in report.norms[f"{n}.final_layer_norm"] for n in layers)
+    assert all(f"for {n}.fc2" in report.outputs[f"{n}.fc1"] for n in layers)
+    fc1, fc2 = fused.model.decoder.layers[0].fc1, fused.model.decoder.layers[0].fc2
+    assert fc1.output_scale.item() == fc2.act_scale.item() and "output quantized" in repr(fc1)
+    norm = fused.model.decoder.layers[0].self_attn_layer_norm
+    assert norm.act_scale.item() == fused.model.decoder.layers[0].self_attn.q_proj.act_scale.item()
+    seen = {}
+    fc2.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
+    ids = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        out, ref = fused(ids).logits, unfused(ids).logits
+    assert isinstance(seen["x"], QuantizedRows) and seen["x"].scale.dim() == 0 and "one static scale" in repr(seen["x"])
+    if kernel:  # the fused norm's last bit may move a value one step
+        assert (out - ref).abs().max() <= 1e-2 * ref.abs().max(), (out - ref).abs().max()
+    else:
+        assert torch.equal(out, ref)
+    # where quantized rows cannot serve (gradients on, a compiled call), the float outputs: the same values
+    assert torch.allclose(fused(ids).logits, out, rtol=0, atol=1e-2 * ref.abs().max().item())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)(ids).logits
+    assert torch.allclose(compiled, out, rtol=0, atol=1e-2 * ref.abs().max().item())
+    # a checkpoint of the fused model loads into another one made the same way
+    again = copy.deepcopy(model)
+    quantize_(again, _static_config(model, fuse_norms=True, fuse_outputs=True))
+    again.load_state_dict(fused.state_dict())
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, out)
+
+
+def test_static_fusions_left_where_they_would_not_compute_the_same():
+    model = fuse_linear_relu(_opt(layers=1))[0]
+    config = _static_config(model, fuse_norms=True, fuse_outputs=True)
+    scales = dict(config.act_scales)
+    scales["model.decoder.layers.0.self_attn.k_proj"] *= 2  # q, k, v no longer share one scale
+    report = quantize_(copy.deepcopy(model), Int8StaticActivationInt8WeightConfig(scales, True, True))
+    assert "act_scales differ" in report.norms_skipped["model.decoder.layers.0.self_attn_layer_norm"]
+    assert "model.decoder.layers.0.final_layer_norm" in report.norms
+    # fc2 left float: fc1 hands on floats; the ReLU not fused (no fuse_linear_relu first): named
+    report = quantize_(copy.deepcopy(model), config, filter_fn=lambda layer, name: not name.endswith("fc2"))
+    assert "not a static Int8Linear" in report.outputs_skipped["model.decoder.layers.0.fc1"]
+    plain = _opt(layers=1)
+    report = quantize_(plain, _static_config(plain, fuse_outputs=True))
+    assert "activation_fn is a ReLU, not the nn.Identity" in report.outputs_skipped["model.decoder.layers.0.fc1"]
+    assert plain.model.decoder.layers[0].fc1.output_scale is None
+    with pytest.raises(TypeError, match="fuse_outputs must be True or False"):
+        Int8StaticActivationInt8WeightConfig(scales, fuse_outputs=1)
+    # rows handed on to anything but a quantized linear: named, not read as floats
+    layer = Int8Linear.from_float(nn.Linear(16, 8))
+    layer.quantize_output(0.1)
+    with torch.no_grad():
+        rows = layer(torch.randn(3, 16))
+    assert isinstance(rows, QuantizedRows) and rows.shape == (3, 8)
+    with pytest.raises(RuntimeError, match="on quantized rows"):
+        rows + 1
+    x = torch.randn(3, 16, requires_grad=True)  # a gradient wanted: floats, whose backward then raises
+    assert type(layer(x)) is torch.Tensor
+    with pytest.raises(ValueError, match="output scale must be a positive finite number"):
+        layer.quantize_output(0.0)

@@ -38,6 +38,7 @@ from fuselab.quant import (
     quantize_int8_rowwise,
     quantize_pt2e_x86,
 )
+from fuselab.quant.rowwise import quantize_int8_static
 
 int8_gemm = importlib.import_module("fuselab.quant.int8_gemm")
 fp8_gemm = importlib.import_module("fuselab.quant.fp8_gemm")
@@ -189,11 +190,12 @@ def test_every_gpu_config(device, kind, monkeypatch):
     if device == "cpu":
         monkeypatch.setattr(_scaled_gemm, "has_tma", lambda device: True)  # the TMA body's layouts qualify
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
-    M, K, N = 300, 272, 136  # not multiples of any block; 16-byte aligned rows for TMA
+    M, K, N = 300, 272, 144  # not multiples of any block; 16-byte aligned rows for TMA (int8 output rows too)
     a, b, a_scale, b_scale = _operands(M, K, N, kind, device)
     assert {c.kwargs["TMA"] for c in gemm_configs(interpret=False)} == {False, True}
     biases = [torch.randn(N, device=device), torch.randn(N, 3, device=device)[:, 1],
               torch.randn((), device=device).expand(N)]
+    out_scale = torch.tensor(0.02, device=device)  # the outputs span about +-4: some clip at 127 steps
     ran_tma = 0
     for i, config in enumerate(gemm_configs(interpret=False)):
         bias = biases[i % 3]
@@ -208,6 +210,10 @@ def test_every_gpu_config(device, kind, monkeypatch):
         ran_tma += config.kwargs["TMA"]
         ref, bound = reference(a, b, a_scale, b_scale, bias, True)
         assert_close(out, ref, bound, f"{kind} config {config}, bias stride {bias.stride(0)}")
+        if kind == "int8":  # the epilogue's quantized output (int8 tiles stored): the float output's bits, quantized
+            q = torch.full((M, N), -128, dtype=torch.int8, device=device)  # poison: the epilogue never makes -128
+            scaled_gemm(a, b, q, a_scale, b_scale, bias, True, out_scale, torch.bfloat16, config=config)
+            assert torch.equal(q, quantize_int8_static(out, out_scale)), f"quantized output, config {config}"
     assert ran_tma == sum(c.kwargs["TMA"] for c in gemm_configs(interpret=False))
 
 
@@ -224,6 +230,43 @@ def test_output_dtypes_and_bias_dtypes(device, kind, out_dtype):
     assert out.dtype == out_dtype
     ref, bound = reference(a, b, a_scale, b_scale, bias, True)
     assert_close(out, ref, bound, f"{kind} -> {out_dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("bias_layout", ["contiguous", "strided", "expanded"])
+def test_a_quantized_output_is_the_float_outputs_static_quantization(device, out_dtype, bias_layout):
+    # out_scale: the epilogue's result, cast to out_dtype, quantized as quantize_int8_static quantizes it: the same
+    # bits on every path, ties, clipping past 127 steps, NaN (to 0) and negative values (no ReLU) included
+    a, b, a_scale, b_scale = _operands(37, 53, 29, "int8", device)
+    a_scale[3] = float("nan")  # a NaN row: quantized to 0, as the unfused path makes it
+    bias = {"contiguous": torch.randn(29, device=device), "strided": torch.randn(29, 3, device=device)[:, 1],
+            "expanded": torch.randn((), device=device).expand(29)}[bias_layout].to(out_dtype)
+    for relu in (False, True):
+        y = int8_matmul(a, b, a_scale, b_scale, bias, relu, out_dtype)
+        for scale in (0.01, float(y.nan_to_num().abs().max()) / 127):  # clipping; the whole range
+            out_scale = torch.tensor(scale, device=device)
+            want = quantize_int8_static(y, out_scale)
+            for backend in ("auto", "torch"):
+                q = int8_matmul(a, b, a_scale, b_scale, bias, relu, out_dtype, out_scale=out_scale, backend=backend)
+                assert q.dtype == torch.int8 and torch.equal(q, want), (backend, relu, scale)
+    assert (quantize_int8_static(y, torch.tensor(0.01, device=device)).abs() == 127).any()  # 0.01 clipped some
+    assert (want[3] == 0).all() and (want < 0).sum() == 0 and (y < 0).sum() == 0  # the last one had a ReLU
+    batched = int8_matmul(a.view(1, 37, 53), b, a_scale.view(1, 37), b_scale, bias, True, out_dtype,
+                          out_scale=out_scale)
+    assert batched.shape == (1, 37, 29) and torch.equal(batched[0], q)
+
+
+def test_a_quantized_output_checks_its_scale():
+    a, b = torch.ones(4, 8, dtype=torch.int8), torch.ones(8, 5, dtype=torch.int8)
+    with pytest.raises(ValueError, match="out_scale quantizes the scaled result: give a_scale and b_scale"):
+        int8_matmul(a, b, None, None, out_scale=torch.tensor(1.0))
+    for bad in (torch.ones(2), torch.tensor(1.0, dtype=torch.float64), torch.tensor(1.0, device="meta")):
+        with pytest.raises(ValueError, match="out_scale must be one float32 value on cpu"):
+            int8_matmul(a, b, torch.ones(4), torch.ones(5), out_scale=bad)
+    op = torch.ops.fuselab.int8_matmul_epilogue
+    a, b, a_scale, b_scale = _operands(11, 24, 9, "int8", "cpu")
+    torch.library.opcheck(op, (a, b, a_scale, b_scale, torch.randn(9), True, torch.bfloat16, torch.tensor(0.05)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -658,7 +701,7 @@ def test_relu_is_fused_into_the_epilogue(device, monkeypatch):
     launches = []
     original = scaled_gemm.scaled_gemm
     monkeypatch.setattr(scaled_gemm, "scaled_gemm",
-                        lambda *args, **kw: launches.append(args[-1]) or original(*args, **kw))
+                        lambda *args, **kw: launches.append(args[6]) or original(*args, **kw))  # relu
     with torch.no_grad():
         out = model(torch.randn(5, 16, device=device))
     assert launches == [True] and (out >= 0).all() and (out == 0).any()

@@ -1,15 +1,18 @@
 """The GEMM both quantized formats share: 8-bit operands, a wide accumulator, one fused epilogue.
 
     Y = cast(relu?(fp32(A @ B) * a_scale[:, None] * b_scale[None, :] + bias))
+    Y = quantize_static(cast(...), out_scale)        (int8 output: the next layer's input, with out_scale)
 
 A (M, K) and B (K, N) are both int8 (accumulated exactly in int32) or both fp8 e4m3 (accumulated in
 fp32); the scales, bias, ReLU and the cast to the output dtype run on the accumulator tile while it is
-still in registers. Without scales the raw accumulators are stored (int32 or fp32), as
-``torch._int_mm`` returns them. Two bodies, as the bf16 GEMM's: a tiled pointer body for any strides,
-and a persistent TMA body (Hopper; A row-major, B a weight's transpose, 16-byte aligned rows) whose
-next tile's loads overlap this tile's epilogue. ``int8_gemm.py`` and ``fp8_gemm.py`` register the two ops and hold
-their PyTorch paths; this module holds what they share: the configs, the kernel, the launcher, the
-input checks and the epilogue as PyTorch computes it.
+still in registers, and with an ``out_scale`` the cast value is quantized there too, as
+``rowwise.quantize_int8_static`` would quantize it (the same bits), so that a layer whose output only a
+statically quantized layer reads writes one byte a value and that layer skips its quantization pass.
+Without scales the raw accumulators are stored (int32 or fp32), as ``torch._int_mm`` returns them.
+Two bodies, as the bf16 GEMM's: a tiled pointer body for any strides, and a persistent TMA body (Hopper; A
+row-major, B a weight's transpose, 16-byte aligned rows) whose next tile's loads overlap this tile's epilogue.
+``int8_gemm.py`` and ``fp8_gemm.py`` register the two ops and hold their PyTorch paths; this module holds what
+they share: the configs, the kernel, the launcher, the input checks and the epilogue as PyTorch computes it.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -19,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._autotune import autotune, bucket
+from fuselab.kernels._casts import cast_rne
 from fuselab.kernels._gemm_tiles import gemm_config, needs_int64, tile_coords, tile_pointers, tma_layout
 from fuselab.kernels._runtime import (
     INTERPRET,
@@ -34,6 +38,7 @@ from fuselab.kernels._runtime import (
     plan_layout,
     untraced,
 )
+from fuselab.quant.rowwise import INT8_QMAX, _quantize, _torch_static, check_static_scale
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs
@@ -99,26 +104,27 @@ def _prune_configs(configs, named_args, **kwargs):
           key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_OK", "SCALED", "HAS_BIAS"])
 @triton.jit
 def scaled_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     stride_a_scale, stride_b_scale, stride_bias,
     M_BUCKET, N_BUCKET, K_BUCKET, A_ROW_MAJOR, B_ROW_MAJOR,  # autotune keys only
     INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
-    INT64: tl.constexpr, TMA_OK: tl.constexpr, NUM_SMS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, INT64: tl.constexpr, TMA_OK: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
 ):
     """C = epilogue(A @ B); see the module docstring."""
     if TMA:
-        _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am,
-                                    stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias, INT8,
-                                    SCALED, HAS_BIAS, RELU, INT64, NUM_SMS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                    EPILOGUE_SUBTILE)
+        _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K,
+                                    stride_am, stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias,
+                                    INT8, SCALED, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT, INT64, NUM_SMS, BLOCK_M,
+                                    BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SUBTILE)
     else:
-        _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
-                          stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale, stride_bias,
-                          INT8, SCALED, HAS_BIAS, RELU, INT64, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K, stride_am,
+                          stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale,
+                          stride_bias, INT8, SCALED, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT, INT64, BLOCK_M, BLOCK_N,
+                          BLOCK_K, GROUP_M)
 
 
 @triton.jit
@@ -134,10 +140,11 @@ def _dot(a, b, acc, INT8: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am, stride_ak,
-                      stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale, stride_bias,
-                      INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
-                      INT64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K, stride_am,
+                      stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale,
+                      stride_bias, INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      RELU: tl.constexpr, OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, INT64: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m, offs_n, offs_k, rm, rn, a_ptrs, b_ptrs = tile_pointers(
@@ -154,8 +161,8 @@ def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if SCALED:
-        out = _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, stride_b_scale,
-                        stride_bias, HAS_BIAS, RELU)
+        out = _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, rm, rn, stride_a_scale,
+                        stride_b_scale, stride_bias, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT)
     else:
         out = acc
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -163,10 +170,11 @@ def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M
 
 
 @triton.jit
-def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, stride_am,
-                                stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias,
+def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K,
+                                stride_am, stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias,
                                 INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                RELU: tl.constexpr, INT64: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                RELU: tl.constexpr, OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr,
+                                INT64: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                                 EPILOGUE_SUBTILE: tl.constexpr):
     # A row-major, B = a weight's transpose (K-major, as Hopper's 8-bit MMA reads both), C row-major:
@@ -196,8 +204,8 @@ def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, b
             if INT64:  # a scale or the bias may be a column of a huge matrix
                 rm = rm.to(tl.int64)
                 rn = rn.to(tl.int64)
-            out = _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, stride_b_scale,
-                            stride_bias, HAS_BIAS, RELU)
+            out = _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, rm, rn, stride_a_scale,
+                            stride_b_scale, stride_bias, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT)
         else:
             out = acc
         c = out.to(c_ptr.dtype.element_ty)
@@ -214,10 +222,14 @@ def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, b
 # ----------------------------------------------------------------------------------------------
 
 
+_INT8_QMAX = tl.constexpr(float(INT8_QMAX))
+
+
 @triton.jit
-def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, stride_b_scale, stride_bias,
-              HAS_BIAS: tl.constexpr, RELU: tl.constexpr):
-    # In the order torch_epilogue computes it: ((acc * a_scale) * b_scale) + bias, all fp32.
+def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, rm, rn, stride_a_scale, stride_b_scale,
+              stride_bias, HAS_BIAS: tl.constexpr, RELU: tl.constexpr, OUT_DTYPE: tl.constexpr,
+              QUANT_OUT: tl.constexpr):
+    # In the order torch_epilogue computes it: ((acc * a_scale) * b_scale) + bias, all fp32, then the cast.
     a_scale = tl.load(a_scale_ptr + rm * stride_a_scale)  # rm, rn: in-range indices, no mask needed
     b_scale = tl.load(b_scale_ptr + rn * stride_b_scale)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
@@ -225,6 +237,9 @@ def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, s
         out = out + tl.load(bias_ptr + rn * stride_bias).to(tl.float32)[None, :]
     if RELU:
         out = tl.where(out < 0, 0.0, out)  # not maximum(): NaN must propagate, as in torch.relu
+    out = cast_rne(out, OUT_DTYPE)  # the float layer's output, as its dtype holds it
+    if QUANT_OUT:  # as quantize_static quantizes that output: the same bits
+        out = _quantize(out.to(tl.float32), tl.load(out_scale_ptr), _INT8_QMAX, True)
     return out
 
 
@@ -233,26 +248,33 @@ def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, rm, rn, stride_a_scale, s
 # ----------------------------------------------------------------------------------------------
 
 
-def _plan_key(tensors, relu) -> tuple:
+def _plan_key(tensors, relu, out_dtype) -> tuple:
     """Everything a launch of ``scaled_gemm`` specializes on but the data: see ``launch_planned``."""
-    return ("scaled_gemm", tensors[0].get_device(), relu, *(plan_layout(t) for t in tensors))
+    return ("scaled_gemm", tensors[0].get_device(), relu, out_dtype, *(plan_layout(t) for t in tensors))
+
+
+# The epilogue's float result as the kernel casts it (OUT_DTYPE); int32: the raw accumulators
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.int32: tl.int32}
 
 
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Optional[torch.Tensor],
-                b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], relu: bool, *,
+                b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], relu: bool,
+                out_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, *,
                 config: Optional[triton.Config] = None) -> None:
     """Write ``c`` (M, N) = the epilogue of ``a`` (M, K) @ ``b`` (K, N), all 2-D with any strides;
-    scales and bias 1-D with any stride (0 too). Inputs as ``check_inputs`` accepts them.
-    ``config`` bypasses the autotuner (tests and benchmarks of single configs)."""
+    scales and bias 1-D with any stride (0 too). With ``out_scale`` (one fp32 value), ``c`` is int8: the
+    epilogue's result cast to ``out_dtype``, then quantized with that scale. Inputs as ``check_inputs``
+    accepts them. ``config`` bypasses the autotuner (tests and benchmarks of single configs)."""
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return
-    tensors = (a, b, c, a_scale, b_scale, bias)
+    out_dtype = c.dtype if out_scale is None else out_dtype
+    tensors = (a, b, c, a_scale, b_scale, bias, out_scale)
     present = [t for t in tensors if t is not None]
     plan_key = None
     if config is None and not INTERPRET and untraced(*present):  # a repeated eager call skips the rest
-        plan_key = _plan_key(tensors, relu)
+        plan_key = _plan_key(tensors, relu, out_dtype)
         if launch_planned(plan_key, *present):
             return
 
@@ -269,11 +291,12 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
             raise ValueError(f"config {config} needs TMA-compatible layouts")
         kernel, meta = scaled_gemm_kernel.fn, config.all_kwargs()
     scale_strides = (a_scale.stride(0), b_scale.stride(0)) if a_scale is not None else (0, 0)
-    launch(kernel, grid, a, b, c, a_scale, b_scale, bias, M, N, K,
+    launch(kernel, grid, a, b, c, a_scale, b_scale, bias, out_scale, M, N, K,
            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
            *scale_strides, bias.stride(0) if bias is not None else 0,
            bucket(M), bucket(N), bucket(K), int(a.stride(1) == 1), int(b.stride(1) == 1),
            INT8=a.dtype == torch.int8, SCALED=a_scale is not None, HAS_BIAS=bias is not None, RELU=relu,
+           OUT_DTYPE=_TL_DTYPES[out_dtype], QUANT_OUT=out_scale is not None,
            INT64=needs_int64(a, b, c, a_scale, b_scale, bias), TMA_OK=tma_ok, NUM_SMS=sms, plan_key=plan_key,
            **meta)
 
@@ -292,9 +315,13 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
 def check_inputs(op: str, operand_dtype: torch.dtype, accumulator_dtype: torch.dtype, a: torch.Tensor,
                  b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype,
-                 max_k: Optional[int] = None) -> None:
+                 max_k: Optional[int] = None, out_scale: Optional[torch.Tensor] = None) -> None:
     """Raise ValueError/TypeError naming what is wrong with the arguments of ``op``."""
     check_same_device(a=a, b=b, a_scale=a_scale, b_scale=b_scale, bias=bias)
+    if out_scale is not None:
+        check_static_scale(op, "out_scale", out_scale, a.device)
+        if a_scale is None:
+            raise ValueError(f"{op}: out_scale quantizes the scaled result: give a_scale and b_scale too")
     if a.dtype != operand_dtype or b.dtype != operand_dtype:
         raise TypeError(f"{op}: a and b must both be {operand_dtype} (quantize them first), "
                         f"got a {a.dtype} and b {b.dtype}")
@@ -329,7 +356,8 @@ def check_inputs(op: str, operand_dtype: torch.dtype, accumulator_dtype: torch.d
 
 
 def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
-                   bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+                   bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype,
+                   out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The kernel's epilogue by PyTorch's ops, in the kernel's order of fp32 operations."""
     if a_scale is None:
         return acc
@@ -338,7 +366,13 @@ def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: 
         out = out + bias.to(torch.float32)
     if relu:
         out = torch.relu(out)
-    return out.to(out_dtype)
+    out = out.to(out_dtype)
+    return out if out_scale is None else _torch_static(out, out_scale)
+
+
+def result_dtype(out_dtype: torch.dtype, out_scale: Optional[torch.Tensor]) -> torch.dtype:
+    """The dtype the ops return: ``out_dtype``, or int8 where ``out_scale`` quantizes the result."""
+    return out_dtype if out_scale is None else torch.int8
 
 
 def check_k(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -367,10 +401,10 @@ def _as_vector(scale: Optional[torch.Tensor], shape: Tuple[int, ...], what: str)
 
 def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tensor, b: torch.Tensor,
          a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-         relu: bool, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+         relu: bool, out_dtype: torch.dtype, backend: str, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The public functions' body: (..., K) rows flattened, scales as vectors, then the backend:
     "auto" the op (its eager body without the dispatcher when nothing traces the call), "triton"
-    the kernel, "torch" the op's PyTorch body."""
+    the kernel, "torch" the op's PyTorch body. ``out_scale`` (the int8 op's) goes to the op only where given."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if not isinstance(out_dtype, torch.dtype):  # else the dispatcher's "Expected a value of type 'int'"
@@ -381,7 +415,7 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
     a2 = a if a.dim() == 2 else a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: K may be 0
     a_scale = _as_vector(a_scale, tuple(a.shape[:-1]), "a_scale")
     b_scale = _as_vector(b_scale, (b.shape[1],), "b_scale")
-    args = (a2, b, a_scale, b_scale, bias, relu, out_dtype)
+    args = (a2, b, a_scale, b_scale, bias, relu, out_dtype) + (() if out_scale is None else (out_scale,))
     runs_triton = execution_path(a) is ExecutionPath.TRITON
     if backend == "triton" and not runs_triton:
         raise ValueError(f"backend='triton' runs on CUDA tensors (or any under TRITON_INTERPRET=1), "
@@ -390,8 +424,8 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
         out = torch_forward(*args)
     elif backend == "triton" or (runs_triton and untraced(*args[:5])):
         check_for_triton(*args)
-        out = a2.new_empty((a2.shape[0], b.shape[1]), dtype=out_dtype)
-        scaled_gemm(a2, b, out, a_scale, b_scale, bias, relu)
+        out = a2.new_empty((a2.shape[0], b.shape[1]), dtype=result_dtype(out_dtype, out_scale))
+        scaled_gemm(a2, b, out, a_scale, b_scale, bias, relu, out_scale, out_dtype)
     else:
         out = op(*args)
     return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])

@@ -75,11 +75,21 @@ class Int8StaticActivationInt8WeightConfig:
     ``calibrate``). Inputs beyond the calibrated range are clipped to +-127 steps, and so are
     infinities; a NaN input becomes a finite value (a fixed scale carries no per-row NaN: use the
     dynamic config where NaN must propagate). A layer with no scale here is left alone (the report
-    says so)."""
+    says so).
+
+    Two fusions save the quantization passes between layers (the same int8 values: the model's outputs do not
+    change). ``fuse_norms=True``: a decoder layer's LayerNorm whose output only static int8 linears of one
+    act_scale read (OPT's q, k, v; fc1) quantizes its rows with that scale as it makes them
+    (``QuantizedLayerNorm``). ``fuse_outputs=True``: a linear whose output only a static int8 linear reads (OPT's
+    fc1, its ReLU fused by ``fuse_linear_relu`` first, read by fc2) quantizes it with the reader's act_scale in its
+    GEMM's epilogue and writes one byte a value."""
 
     act_scales: Mapping[str, float] = field(default_factory=dict)
+    fuse_norms: bool = False
+    fuse_outputs: bool = False
 
     def __post_init__(self):
+        _check_flags(self, "fuse_norms", "fuse_outputs")
         if not isinstance(self.act_scales, Mapping):
             hint = " (pass its .act_scales())" if hasattr(self.act_scales, "act_scales") else ""
             raise TypeError(f"act_scales must map layer names to scales, got {type(self.act_scales).__name__}{hint}")

@@ -1,6 +1,7 @@
 """INT8 GEMM with a fused epilogue, ``torch.ops.fuselab.int8_matmul_epilogue``:
 
     Y = cast(relu?(fp32(A @ B) * a_scale[:, None] * b_scale[None, :] + bias))
+    Y = quantize_int8_static(cast(...), out_scale)     (with out_scale: int8, the next layer's input)
 
 A (M, K) and B (K, N) are int8, their products accumulated exactly in int32; the scales (one per row
 of A, one per column of B: per-token activations, per-output-channel weights), bias and ReLU are
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 
 from fuselab.kernels._runtime import ExecutionPath, execution_path, register_op
-from fuselab.quant._scaled_gemm import call, check_inputs, scaled_gemm, torch_epilogue
+from fuselab.quant._scaled_gemm import call, check_inputs, result_dtype, scaled_gemm, torch_epilogue
 
 # |a*b| <= 128**2 = 2**14 for any int8 operands: K below 2**17 cannot overflow the int32 accumulators.
 MAX_K = 2**17 - 1
@@ -32,14 +33,16 @@ MAX_K = 2**17 - 1
 OP = "int8_matmul_epilogue"
 
 
-def _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype) -> None:
-    check_inputs(OP, torch.int8, torch.int32, a, b, a_scale, b_scale, bias, relu, out_dtype, max_k=MAX_K)
+def _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype, out_scale=None) -> None:
+    check_inputs(OP, torch.int8, torch.int32, a, b, a_scale, b_scale, bias, relu, out_dtype, max_k=MAX_K,
+                 out_scale=out_scale)
 
 
 def _fake(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
-          bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+          bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype,
+          out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype, out_scale)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=result_dtype(out_dtype, out_scale))
 
 
 def _int32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -59,18 +62,19 @@ def _int32_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (a.to(torch.float64) @ b.to(torch.float64)).to(torch.int32)
 
 
-def _torch_forward(a, b, a_scale, b_scale, bias, relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def _torch_forward(a, b, a_scale, b_scale, bias, relu: bool, out_dtype: torch.dtype, out_scale=None) -> torch.Tensor:
     """The op by PyTorch's kernels: ``torch._int_mm``, then the epilogue as separate fp32 ops."""
-    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
-    return torch_epilogue(_int32_accumulate(a, b), a_scale, b_scale, bias, relu, out_dtype)
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype, out_scale)
+    return torch_epilogue(_int32_accumulate(a, b), a_scale, b_scale, bias, relu, out_dtype, out_scale)
 
 
 def _forward(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+             bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype,
+             out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     if execution_path(a) is not ExecutionPath.TRITON:
-        return _torch_forward(a, b, a_scale, b_scale, bias, relu, out_dtype)
-    out = _fake(a, b, a_scale, b_scale, bias, relu, out_dtype)
-    scaled_gemm(a, b, out, a_scale, b_scale, bias, relu)
+        return _torch_forward(a, b, a_scale, b_scale, bias, relu, out_dtype, out_scale)
+    out = _fake(a, b, a_scale, b_scale, bias, relu, out_dtype, out_scale)
+    scaled_gemm(a, b, out, a_scale, b_scale, bias, relu, out_scale, out_dtype)
     return out
 
 
@@ -83,7 +87,7 @@ register_op(f"fuselab::{OP}", fake=_fake)(_forward)
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor] = None, relu: bool = False, out_dtype: Optional[torch.dtype] = None,
-                *, backend: str = "auto") -> torch.Tensor:
+                *, out_scale: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
     """``cast(relu?((a @ b) * a_scale * b_scale + bias))`` for int8 ``a`` and ``b``, in one kernel.
 
     Args:
@@ -94,6 +98,9 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor
         bias: (N,) float32/float16/bfloat16, or None. relu: ReLU after the bias, before the cast.
         out_dtype: float32, float16 or bfloat16; None: float32. With ``a_scale = b_scale = None``
             (no bias, no relu) the result is the raw int32 accumulators (out_dtype int32 or None).
+        out_scale: one float32 value, or None. Given, the result (cast to out_dtype) is returned quantized
+            with it as ``quantize_int8_static`` quantizes: int8, the same bits (a statically quantized
+            layer that reads this output then skips its own quantization).
         backend: "auto" (the op: Triton on CUDA and in the interpreter, PyTorch on a CPU), "triton"
             (the kernel) or "torch" (``torch._int_mm`` and the epilogue as separate PyTorch ops:
             the unfused peer).
@@ -103,4 +110,4 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor
     if out_dtype is None:
         out_dtype = torch.int32 if a_scale is None else torch.float32
     return call(torch.ops.fuselab.int8_matmul_epilogue, _torch_forward, _check_inputs, a, b, a_scale, b_scale,
-                bias, relu, out_dtype, backend)
+                bias, relu, out_dtype, backend, out_scale)

@@ -7,10 +7,12 @@ model's dtype (what ``nn.LayerNorm`` returns), and writes that row quantized (in
 scale) instead: one pass, read once and written in one byte a value, for every linear that reads it.
 
 Its output is a ``QuantizedRows``: a tensor of the norm's shape and dtype holding only the quantized rows, which
-fuselab's dynamic quantized linears (``Int8Linear``, ``Float8Linear``) take as their quantized input. Any other
+fuselab's quantized linears (``Int8Linear``, ``Float8Linear``) take as their quantized input. Any other
 use raises a RuntimeError naming it: no float copy is kept, so nothing can go stale or be read in place of the
 norm's values. ``quantize_(model, config)`` with ``fuse_norms=True`` makes these where a decoder layer's norm
-feeds only quantized linears (transformers' OPT with the norm first, GPT-2); the report lists them.
+feeds only quantized linears (transformers' OPT with the norm first, GPT-2); the report lists them. With static
+activations (``layer_norm_quantize_static``) every row is quantized with the one calibrated scale its readers
+share.
 
 The layer norm is fp32 math (mean, then the variance of the centered row; IEEE division and square root), so a
 row's values can differ from PyTorch's kernel in the last bit of the model's dtype, and a quantized value by one
@@ -50,6 +52,8 @@ from fuselab.quant.rowwise import (
     _rows,
     _runs_triton,
     _torch_rowwise,
+    _torch_static,
+    check_static_scale,
 )
 
 MAX_K = 16384  # a row is normalized and quantized in registers, in one block
@@ -62,8 +66,10 @@ MAX_K = 16384  # a row is normalized and quantized in registers, in one block
 @triton.jit
 def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, eps,
                                     HAS_W: tl.constexpr, HAS_B: tl.constexpr, QMAX: tl.constexpr,
-                                    TINY: tl.constexpr, TO_INT8: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per row: its layer norm in fp32, rounded to x's dtype, then its scale and quantized values."""
+                                    TINY: tl.constexpr, TO_INT8: tl.constexpr, STATIC: tl.constexpr,
+                                    BLOCK_K: tl.constexpr):
+    """One program per row: its layer norm in fp32, rounded to x's dtype, then its scale (STATIC: the one at
+    scale_ptr) and quantized values."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     inside = offs < K
@@ -79,7 +85,10 @@ def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, st
         y = y + tl.load(b_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     y = cast_rne(y, x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output as nn.LayerNorm returns it
     y = tl.where(inside, y, 0.0)
-    scale = _row_scale(tl.abs(y), scale_ptr, row, QMAX, TINY)
+    if STATIC:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = _row_scale(tl.abs(y), scale_ptr, row, QMAX, TINY)
     tl.store(q_ptr + row * stride_qm + offs, _quantize(y, scale, QMAX, TO_INT8), mask=inside)
 
 
@@ -89,37 +98,47 @@ def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, st
 
 
 def _layer_norm_quantize(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
-                         q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Rows of 2-D ``x`` (unit stride along K) normalized and quantized into ``q``, their scales into ``scale``."""
+                         q: torch.Tensor, scale: torch.Tensor, static: bool) -> None:
+    """Rows of 2-D ``x`` (unit stride along K) normalized and quantized into ``q``, their scales into ``scale``
+    (``static``: with the one scale there)."""
     M, K = x.shape
     if M == 0:
         return
     plan_key = None
     tensors = tuple(t for t in (x, weight, bias, q, scale) if t is not None)
     if not INTERPRET and untraced(*tensors):  # a layer's repeated eager call skips the rest
-        plan_key = ("layer_norm_quantize_rows", x.get_device(), eps, weight is None, bias is None,
+        plan_key = ("layer_norm_quantize_rows", x.get_device(), eps, static, weight is None, bias is None,
                     *(plan_layout(t) for t in tensors))
         if launch_planned(plan_key, *tensors):
             return
     to_int8 = q.dtype == torch.int8
     launch(layer_norm_quantize_rows_kernel, (M,), x, weight, bias, q, scale, K, x.stride(0), q.stride(0), eps,
            HAS_W=weight is not None, HAS_B=bias is not None, QMAX=float(INT8_QMAX if to_int8 else FP8_MAX), TINY=_TINY,
-           TO_INT8=to_int8, BLOCK_K=max(16, triton.next_power_of_2(K)),
+           TO_INT8=to_int8, STATIC=static, BLOCK_K=max(16, triton.next_power_of_2(K)),
            num_warps=4 if K <= 1024 else 8 if K <= 4096 else 16, plan_key=plan_key)
+
+
+def _check_norm(op: str, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
+    _check(x, op)
+    K = x.shape[-1]
+    if not 0 < K <= MAX_K:
+        raise ValueError(f"{op} normalizes rows of 1 to {MAX_K} values, got {K}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != (K,) or t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"{op}: {name} must be ({K},) {x.dtype} on {x.device} as x, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
 
 
 def _fake(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
           fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    _check(x, "layer_norm_quantize_rows")
-    K = x.shape[-1]
-    if not 0 < K <= MAX_K:
-        raise ValueError(f"layer_norm_quantize_rows normalizes rows of 1 to {MAX_K} values, got {K}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.shape != (K,) or t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(f"layer_norm_quantize_rows: {name} must be ({K},) {x.dtype} on {x.device} as x, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    _check_norm("layer_norm_quantize_rows", x, weight, bias)
     q = torch.empty(x.shape, dtype=FP8_DTYPE if fp8 else torch.int8, device=x.device)
     return q, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+
+
+def _run_kernel(x, weight, bias, eps, q, scale, static: bool) -> None:
+    weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))  # the kernel reads unit strides
+    _layer_norm_quantize(_rows(x), weight, bias, eps, q.view(-1, x.shape[-1]), scale.view(-1), static)
 
 
 def _op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
@@ -127,12 +146,28 @@ def _op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Te
     q, scale = _fake(x, weight, bias, eps, fp8)
     if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
         return _torch_rowwise(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), fp8)
-    weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))  # the kernel reads unit strides
-    _layer_norm_quantize(_rows(x), weight, bias, eps, q.view(-1, x.shape[-1]), scale.view(-1))
+    _run_kernel(x, weight, bias, eps, q, scale, static=False)
     return q, scale
 
 
+def _static_fake(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                 scale: torch.Tensor) -> torch.Tensor:
+    _check_norm("layer_norm_quantize_static", x, weight, bias)
+    check_static_scale("layer_norm_quantize_static", "scale", scale, x.device)
+    return torch.empty(x.shape, dtype=torch.int8, device=x.device)
+
+
+def _static_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+               scale: torch.Tensor) -> torch.Tensor:
+    q = _static_fake(x, weight, bias, eps, scale)
+    if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
+        return _torch_static(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), scale)
+    _run_kernel(x, weight, bias, eps, q, scale, static=True)
+    return q
+
+
 register_op("fuselab::layer_norm_quantize_rows", fake=_fake)(_op)
+register_op("fuselab::layer_norm_quantize_static", fake=_static_fake)(_static_op)
 
 
 def layer_norm_quantize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -145,15 +180,25 @@ def layer_norm_quantize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], bi
                          float(eps), fp8)
 
 
+def layer_norm_quantize_static(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                               eps: float, scale: torch.Tensor) -> torch.Tensor:
+    """``quantize_int8_static(F.layer_norm(x, (K,), weight, bias, eps), scale)`` in one pass: int8 with the one
+    float32 ``scale`` (a calibrated per-tensor scale). Arguments as ``layer_norm_quantize_rows``'."""
+    return call_untraced(torch.ops.fuselab.layer_norm_quantize_static, _static_op, x.detach(),
+                         None if weight is None else weight.detach(), None if bias is None else bias.detach(),
+                         float(eps), scale)
+
+
 # ----------------------------------------------------------------------------------------------
 # The quantized activations and the module
 # ----------------------------------------------------------------------------------------------
 
 
 class QuantizedRows(torch.Tensor):
-    """A ``QuantizedLayerNorm``'s output: shape and dtype of the norm's values, holding only their rows quantized
-    (``qdata``: int8 or float8_e4m3fn, same shape) with one fp32 scale each (``scale``, shape[:-1]). Fuselab's dynamic
-    quantized linears take it as their quantized input; any other op raises (there are no float values to give)."""
+    """A ``QuantizedLayerNorm``'s output (or a quantized linear's, where a static layer reads it): shape and dtype of
+    the float values, holding only their rows quantized (``qdata``: int8 or float8_e4m3fn, same shape) with one fp32
+    scale each (``scale``, shape[:-1]) or one for all (0-d: a static scale). Fuselab's quantized linears take it as
+    their quantized input; any other op raises (there are no float values to give)."""
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
@@ -167,14 +212,13 @@ class QuantizedRows(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # RuntimeError: torch turns a TypeError from a binary operator (rows + 1) into its own "unsupported operand"
-        raise RuntimeError(f"{func} on the output of a QuantizedLayerNorm (fuselab.quant, quantize_ with "
-                           "fuse_norms=True): it holds quantized rows that only fuselab's dynamic quantized linears "
-                           "read; the model, or a hook, uses the norm's output otherwise: quantize with "
-                           "fuse_norms=False")
+        raise RuntimeError(f"{func} on quantized rows (a QuantizedLayerNorm's output, quantize_ with fuse_norms=True, "
+                           "or a quantized linear's, with fuse_outputs=True): only fuselab's quantized linears read "
+                           "them; the model, or a hook, uses that output otherwise: quantize without those options")
 
     def __repr__(self) -> str:
         return (f"QuantizedRows(shape={tuple(self.shape)}, {self.qdata.dtype} rows standing for {self.dtype}, "
-                f"device={self.device})")
+                f"{'one static scale' if self.scale.dim() == 0 else 'a scale per row'}, device={self.device})")
 
     def unwrap(self, fp8: bool, layer: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(qdata, scale)`` for a quantized linear of ``fp8`` (else int8) inputs, or TypeError naming ``layer``."""
@@ -182,6 +226,16 @@ class QuantizedRows(torch.Tensor):
             raise TypeError(f"{layer} takes {'fp8' if fp8 else 'int8'} activations, got {self.qdata.dtype} rows from a "
                             "QuantizedLayerNorm")
         return self.qdata, self.scale
+
+
+def quantized_rows_wanted(x: torch.Tensor, params=()) -> bool:
+    """Whether a layer may hand quantized rows of its output on for input ``x`` (and its float ``params``): not where
+    gradients are wanted, a trace or compile records the call (jit.trace too: it would record the rows' sizes as
+    constants where a model reads them), under forward-mode AD or autocast, or off cpu and cuda."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return False  # the float output: quantized layers after it then refuse a backward themselves
+    return not (is_tracing() or torch.jit.is_tracing() or in_dual_level() or x.device.type not in ("cpu", "cuda")
+                or torch.is_autocast_enabled(x.device.type))
 
 
 def why_not_fused_norm(norm: nn.Module) -> Optional[str]:
@@ -194,36 +248,41 @@ def why_not_fused_norm(norm: nn.Module) -> Optional[str]:
 
 
 class QuantizedLayerNorm(nn.Module):
-    """``nn.LayerNorm`` over the last dimension whose output is its rows quantized (int8, or fp8 with ``fp8``),
-    for quantized linears to read (see the module's docstring); its ``weight`` and ``bias`` are the float norm's
-    (the same state-dict keys). Inference only: where the fused form cannot serve a call it returns the float
-    norm's output."""
+    """``nn.LayerNorm`` over the last dimension whose output is its rows quantized (int8, or fp8 with ``fp8``), each
+    with its own scale, or with ``act_scale`` all with that one (int8: the static scale of the layers that read
+    it), for quantized linears to read (see the module's docstring); its ``weight`` and ``bias`` are the float
+    norm's (the same state-dict keys, and ``act_scale`` where static). Inference only: where the fused form cannot
+    serve a call it returns the float norm's output."""
 
-    def __init__(self, norm: nn.LayerNorm, fp8: bool = False):
+    def __init__(self, norm: nn.LayerNorm, fp8: bool = False, act_scale: Optional[float] = None):
         super().__init__()
         why = why_not_fused_norm(norm)
         if why is not None:
             raise ValueError(f"QuantizedLayerNorm of {norm}: {why}")
+        if fp8 and act_scale is not None:
+            raise ValueError("QuantizedLayerNorm: a static act_scale quantizes to int8, not fp8")
         self.normalized_shape, self.eps, self.fp8 = tuple(norm.normalized_shape), norm.eps, fp8
         self.weight, self.bias = norm.weight, norm.bias
+        scale = None if act_scale is None else torch.tensor(act_scale, dtype=torch.float32, device=norm.weight.device
+                                                             if norm.weight is not None else None)
+        self.register_buffer("act_scale", scale)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.LayerNorm's argument name
         x = input
         if self._fused_applies(x):
+            if self.act_scale is not None:
+                q = layer_norm_quantize_static(x, self.weight, self.bias, self.eps, self.act_scale)
+                return QuantizedRows(q, self.act_scale, x.dtype)
             return QuantizedRows(*layer_norm_quantize_rows(x, self.weight, self.bias, self.eps, self.fp8), x.dtype)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def _fused_applies(self, x: torch.Tensor) -> bool:
         params = [p for p in (self.weight, self.bias) if p is not None]
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return False  # the float norm: the quantized linears after it then refuse a backward themselves
-        if (is_tracing() or torch.jit.is_tracing() or in_dual_level() or x.device.type not in ("cpu", "cuda")
-                or torch.is_autocast_enabled(x.device.type)):
-            return False  # jit.trace too: it would record the rows' sizes as constants where a model reads them
-        return (x.dim() > 0 and x.shape[-1] == self.normalized_shape[0]
+        return (quantized_rows_wanted(x, params) and x.dim() > 0 and x.shape[-1] == self.normalized_shape[0]
                 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-                and all(p.dtype == x.dtype and p.device == x.device for p in params))
+                and all(p.dtype == x.dtype and p.device == x.device for p in params)
+                and (self.act_scale is None or self.act_scale.device == x.device))
 
     def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}, "
-                f"rows={'fp8' if self.fp8 else 'int8'}")
+        rows = "fp8" if self.fp8 else "int8, one static scale" if self.act_scale is not None else "int8"
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}, rows={rows}"

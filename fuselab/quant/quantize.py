@@ -266,7 +266,8 @@ class QuantizationReport:
     -> why it was left alone) and, with calibration data, each replaced layer's relative error
     against its float layer on that data, ``||y_q - y|| / ||y||`` over the sample (``errors``; calibration
     samples lie inside the calibrated range: a static scale's clipping of larger inputs does not show there).
-    With ``fuse_norms``: the norms fused (``norms``) and left (``norms_skipped``), by name."""
+    With ``fuse_norms``: the norms fused (``norms``) and left (``norms_skipped``), by name; with ``fuse_outputs``: the
+    layers whose outputs leave quantized (``outputs``) and those left (``outputs_skipped``)."""
 
     config: Any
     replaced: Dict[str, str] = field(default_factory=dict)
@@ -275,19 +276,25 @@ class QuantizationReport:
     unused_scales: List[str] = field(default_factory=list)  # a static config's scales named after no layer here
     norms: Dict[str, str] = field(default_factory=dict)
     norms_skipped: Dict[str, str] = field(default_factory=dict)
+    outputs: Dict[str, str] = field(default_factory=dict)
+    outputs_skipped: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"quantized {len(self.replaced)} layer(s) with {type(self.config).__name__}; "
                  f"left {len(self.skipped)} alone"
                  + (f"; fused {len(self.norms)} norm(s), left {len(self.norms_skipped)}"
-                    if self.norms or self.norms_skipped else "")]
+                    if self.norms or self.norms_skipped else "")
+                 + (f"; {len(self.outputs)} output(s) quantized in the epilogue, left {len(self.outputs_skipped)}"
+                    if self.outputs or self.outputs_skipped else "")]
         for name, what in self.replaced.items():
             error = f"  relative error {self.errors[name]:.2e}" if name in self.errors else ""
             lines.append(f"  replaced {name!r}: {what}{error}")  # quoted, as FusionReport's names
         lines += [f"  skipped  {name!r}: {why}" for name, why in self.skipped.items()]
         lines += [f"  fused norm {name!r}: {what}" for name, what in self.norms.items()]
         lines += [f"  norm left  {name!r}: {why}" for name, why in self.norms_skipped.items()]
+        lines += [f"  output quantized {name!r}: {what}" for name, what in self.outputs.items()]
+        lines += [f"  output left {name!r}: {why}" for name, why in self.outputs_skipped.items()]
         if self.unused_scales:
             lines.append(f"  unused act_scales (no layer of these names): {self.unused_scales}")
         lines += [f"  {note}" for note in self.notes]
@@ -428,7 +435,9 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
     A Linear followed by a separate ReLU keeps the ReLU outside the GEMM: ``fuse_linear_relu`` first
     makes such pairs FusedLinearReLU, which this fuses into the epilogue. A config's ``fuse_norms=True``
     also makes the norms of known decoder layers whose readers are all quantized ``QuantizedLayerNorm``
-    (``_plan_norms``; ``filter_fn`` sees those norms too, and may veto them). A layer shared by several
+    (``_plan_norms``; ``filter_fn`` sees those norms too, and may veto them); the static config's
+    ``fuse_outputs=True`` has a known decoder layer's fc1 quantize its output for fc2 (``_plan_outputs``). A
+    layer shared by several
     parents is replaced everywhere by one quantized layer. Returns the report (layers already
     quantized are listed as left alone); raises TypeError for an unknown config type, a config class
     passed for an instance and a ``calibration`` that is not a Calibration, ValueError for a calibration
@@ -490,10 +499,12 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
         sample = calibration.samples.get(name) if calibration is not None else None
         error = None if sample is None else _calibration_error(name, layer, quantized, sample)
         converted.append((name, parents, quantized, what, error))
-    norms = []
+    norms, outputs = [], []
+    becomes = {id(layer): quantized for (_, layer, _), (_, _, quantized, _, _) in zip(planned, converted)}
     if getattr(config, "fuse_norms", False):  # planned too before anything changes: filter_fn may raise there
-        becomes = {id(layer): quantized for (_, layer, _), (_, _, quantized, _, _) in zip(planned, converted)}
-        norms = _plan_norms(model, isinstance(config, Float8RowwiseConfig), becomes, filter_fn, report)
+        norms = _plan_norms(model, config, becomes, filter_fn, report)
+    if getattr(config, "fuse_outputs", False):
+        outputs = _plan_outputs(model, config, becomes, report)
     for name, parents, quantized, what, error in converted:
         for parent, key in parents:
             setattr(parent, key, quantized)
@@ -502,8 +513,12 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
             report.errors[name] = error
     for layer, key, name, fused, paths in norms:
         setattr(layer, key, fused)
-        report.norms[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fused.fp8 else 'int8'} once, "
-                              f"for {', '.join(paths)})")
+        static = " with their static scale" if fused.act_scale is not None else ""
+        report.norms[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fused.fp8 else 'int8'} once"
+                              f"{static}, for {', '.join(paths)})")
+    for quantized, name, reader, scale in outputs:
+        quantized.quantize_output(scale)
+        report.outputs[name] = f"int8 in the GEMM's epilogue with {reader}'s act_scale {scale:.3g}, for {reader}"
     far = {name: error for name, error in report.errors.items() if error > FAR_ERROR}
     if far:  # scales of another model or metric (absmax for act_scales()), a layer int8 cannot hold
         worst = ", ".join(f"{name} {error:.2f}" for name, error in sorted(far.items(), key=lambda kv: -kv[1])[:5])
@@ -524,15 +539,25 @@ _NORM_READERS: Dict[str, Tuple[Callable[[nn.Module], bool], Dict[str, Tuple[str,
 }
 
 
-def _plan_norms(model: nn.Module, fp8: bool, becomes: Dict[int, nn.Module], filter_fn,
-                report: QuantizationReport) -> list:
-    """``fuse_norms``: the (layer, key, name, QuantizedLayerNorm, reader paths) of each known decoder layer's norm
-    whose readers will all be dynamic quantized linears of this config (``becomes``: id of a layer -> what this call
-    replaces it with); the report's ``norms_skipped`` says why any other is left."""
-    reader_type = Float8Linear if fp8 else Int8Linear
+def _paths_to(model: nn.Module) -> Dict[int, int]:
+    """id(module) -> by how many paths ``model`` reaches it."""
     paths_to: Dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
         paths_to[id(m)] = paths_to.get(id(m), 0) + 1
+    return paths_to
+
+
+def _plan_norms(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], filter_fn,
+                report: QuantizationReport) -> list:
+    """``fuse_norms``: the (layer, key, name, QuantizedLayerNorm, reader paths) of each known decoder layer's norm
+    whose readers will all be quantized linears of this config that read its rows (``becomes``: id of a layer ->
+    what this call replaces it with): dynamic ones, or static ones of one act_scale, which the norm then quantizes
+    with; the report's ``norms_skipped`` says why any other is left."""
+    fp8 = isinstance(config, Float8RowwiseConfig)
+    static = isinstance(config, Int8StaticActivationInt8WeightConfig)
+    reader_type = Float8Linear if fp8 else Int8Linear
+    kind = "static" if static else "dynamic"
+    paths_to = _paths_to(model)
     planned, known = [], False
     for layer_name, layer in model.named_modules():
         readers = _NORM_READERS.get(type(layer).__name__)
@@ -551,22 +576,67 @@ def _plan_norms(model: nn.Module, fp8: bool, becomes: Dict[int, nn.Module], filt
                 why = why_not_fused_norm(norm) or why_not_swapped(norm)
             if why is None and paths_to.get(id(norm), 0) > 1:
                 why = "reached by several paths in the model (a shared norm, or a shared layer holding it)"
+            scale = None
             if why is None:
                 after = [becomes.get(id(m), m) for m in (_submodule(layer, p) for p in paths)]
                 others = [p for p, m in zip(paths, after)
-                          if not (type(m) is reader_type and getattr(m, "act_scale", None) is None)]
+                          if not (type(m) is reader_type and (getattr(m, "act_scale", None) is not None) == static)]
                 if others:
-                    why = (f"{', '.join(others)} not a dynamic {reader_type.__name__} (left float, or quantized "
-                           "otherwise): only those read quantized rows")
+                    why = (f"{', '.join(others)} not a {kind} {reader_type.__name__} (left float, or quantized "
+                           "otherwise): only those read these quantized rows")
+            if why is None and static:
+                scales = {p: config.act_scales[f"{layer_name}.{p}" if layer_name else p] for p in paths}
+                if len(set(scales.values())) > 1:
+                    why = f"its readers' act_scales differ ({scales}): one quantization cannot serve them"
+                scale = next(iter(scales.values()))
             if why is None and filter_fn is not None and not filter_fn(norm, name):
                 why = "vetoed by filter_fn"
             if why is not None:
                 report.norms_skipped[name] = why
             else:
-                planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8), paths))
+                planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8, act_scale=scale), paths))
     if not known:
         report.notes.append("fuse_norms: no decoder layer it knows (it fuses the norms of transformers' "
                             f"{' and '.join(_NORM_READERS)}; OPT's where the norm comes first)")
+    return planned
+
+
+# Decoder layers (transformers' classes, by name) whose first linear's output reaches only the second, through an
+# activation that fuse_linear_relu fused into the first (an nn.Identity left in its place).
+_OUTPUT_READERS: Dict[str, Tuple[str, str, str]] = {"OPTDecoderLayer": ("fc1", "activation_fn", "fc2")}
+
+
+def _plan_outputs(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], report: QuantizationReport) -> list:
+    """``fuse_outputs``: the (quantized layer, name, reader name, scale) of each known decoder layer's first linear
+    whose output only a static Int8Linear reads (``becomes`` as in ``_plan_norms``); the report's
+    ``outputs_skipped`` says why any other is left."""
+    paths_to = _paths_to(model)
+    planned, known = [], False
+    for layer_name, layer in model.named_modules():
+        chain = _OUTPUT_READERS.get(type(layer).__name__)
+        if chain is None or not type(layer).__module__.startswith("transformers."):
+            continue
+        known = True
+        first, act, second = chain
+        name, reader = (f"{layer_name}.{key}" if layer_name else key for key in (first, second))
+        producer, activation, consumer = (getattr(layer, key, None) for key in chain)
+        after, read_by = becomes.get(id(producer)), becomes.get(id(consumer))
+        if type(after) is not Int8Linear:
+            why = "not quantized to an Int8Linear by this call"
+        elif type(activation) is not nn.Identity:
+            why = (f"{act} is a {type(activation).__name__}, not the nn.Identity fuse_linear_relu leaves after fusing "
+                   f"a ReLU into {first}: run fuse_linear_relu before quantize_")
+        elif type(read_by) is not Int8Linear or read_by.act_scale is None:
+            why = f"its reader {reader} is not a static Int8Linear made by this call"
+        elif any(paths_to.get(id(m), 0) > 1 for m in (producer, activation, consumer)):
+            why = "reached by several paths in the model (a shared layer)"
+        else:
+            planned.append((after, name, reader, config.act_scales[reader]))
+            continue
+        report.outputs_skipped[name] = why
+    if not known:
+        report.notes.append("fuse_outputs: no decoder layer it knows (it fuses the outputs of transformers' "
+                            f"{' and '.join(_OUTPUT_READERS)})")
     return planned
 
 

@@ -203,11 +203,16 @@ def _rows_op(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def check_static_scale(op: str, name: str, scale: torch.Tensor, device: torch.device) -> None:
+    """ValueError unless ``scale`` is one float32 value on ``device`` (a static per-tensor scale)."""
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+        raise ValueError(f"{op}: {name} must be one float32 value on {device}, got "
+                         f"{scale.dtype} of shape {tuple(scale.shape)} on {scale.device}")
+
+
 def _static_fake(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check(x, "quantize_static")
-    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != x.device:
-        raise ValueError(f"quantize_static: scale must be one float32 value on {x.device}, got "
-                         f"{scale.dtype} of shape {tuple(scale.shape)} on {scale.device}")
+    check_static_scale("quantize_static", "scale", scale, x.device)
     return torch.empty(x.shape, dtype=torch.int8, device=x.device)
 
 

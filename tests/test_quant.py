@@ -255,6 +255,9 @@ def test_a_quantized_output_is_the_float_outputs_static_quantization(device, out
     batched = int8_matmul(a.view(1, 37, 53), b, a_scale.view(1, 37), b_scale, bias, True, out_dtype,
                           out_scale=out_scale)
     assert batched.shape == (1, 37, 29) and torch.equal(batched[0], q)
+    for backend in ("auto", "torch"):  # one value in more dimensions: still (M, N) on every path
+        assert torch.equal(int8_matmul(a, b, a_scale, b_scale, bias, True, out_dtype, out_scale=out_scale.view(1, 1, 1),
+                                       backend=backend), q)
 
 
 def test_a_quantized_output_checks_its_scale():

@@ -367,7 +367,7 @@ def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: 
     if relu:
         out = torch.relu(out)
     out = out.to(out_dtype)
-    return out if out_scale is None else _torch_static(out, out_scale)
+    return out if out_scale is None else _torch_static(out, out_scale.reshape(()))  # one value: no broadcast
 
 
 def result_dtype(out_dtype: torch.dtype, out_scale: Optional[torch.Tensor]) -> torch.dtype:

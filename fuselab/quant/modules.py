@@ -5,8 +5,7 @@ quantized: ``QuantizedRows``, a ``QuantizedLayerNorm``'s or an ``Int8Linear``'s 
 runs one GEMM whose epilogue applies both scales, the bias and (for a FusedLinearReLU) the ReLU. The output has
 the input's dtype (autocast's under autocast). Inference only: the tensors are buffers,
 and no gradient flows through a quantized layer. State-dict keys: ``weight`` (the quantized
-weight), ``weight_scale``, ``bias``, for static activations ``act_scale``, and ``output_scale`` where the output
-is quantized for the layer after.
+weight), ``weight_scale``, ``bias`` and, for static activations, ``act_scale``.
 """
 from typing import Optional
 
@@ -22,7 +21,7 @@ from fuselab.quant.config import positive_scale
 from fuselab.quant.fp8_gemm import fp8_matmul
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
 from fuselab.quant.int8_gemm import int8_matmul
-from fuselab.quant.norm_quant import QuantizedRows, quantized_rows_wanted
+from fuselab.quant.norm_quant import QuantizedRows, quantized_rows_wanted, static_scale_of
 from fuselab.quant.rowwise import FP8_DTYPE, quantize_fp8_rowwise, quantize_int8_rowwise, quantize_int8_static
 
 
@@ -107,7 +106,7 @@ class _QuantizedLinear(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # load_state_dict would cast: an fp8 (or float) checkpoint's weight silently wrapped into int8.
-        for name in ("weight", "weight_scale", "act_scale", "output_scale"):
+        for name in ("weight", "weight_scale", "act_scale"):
             own, key = self._buffers.get(name), prefix + name
             if own is not None and key in state_dict and state_dict[key].dtype != own.dtype:
                 error_msgs.append(f"{key}: the checkpoint holds {state_dict[key].dtype} where this "
@@ -155,7 +154,7 @@ class _QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, relu={self.relu}"
-                + (", output quantized" if getattr(self, "output_scale", None) is not None else ""))
+                + (", output quantized for the next layer" if getattr(self, "_output_reader", ()) else ""))
 
     __prepare_scriptable__ = refuse_torchscript
 
@@ -163,16 +162,15 @@ class _QuantizedLinear(nn.Module):
 class Int8Linear(_QuantizedLinear):
     """``[relu](x @ W^T + b)`` with W8A8: int8 weights per output channel; the input quantized per
     token at run time, or with the fixed per-tensor ``act_scale`` (static) when it is set, or taken quantized
-    (``QuantizedRows``, with their scales). With ``output_scale`` set (``quantize_`` sets it to the static
-    ``act_scale`` of the one layer that reads this one's output) the output leaves as ``QuantizedRows`` quantized
-    with it in the GEMM's epilogue, where ``quantized_rows_wanted`` allows (else as floats: the same values)."""
+    (``QuantizedRows``, with their scales). After ``quantize_output(reader)`` the output leaves as ``QuantizedRows``
+    quantized in the GEMM's epilogue with the reader's act_scale, where ``quantized_rows_wanted`` allows (else as
+    floats: the same values)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, relu: bool = False,
-                 static: bool = False, quantized_output: bool = False, device=None):
+                 static: bool = False, device=None):
         super().__init__(in_features, out_features, bias, relu, torch.int8, device=device)
         self.register_buffer("act_scale", torch.ones((), dtype=torch.float32, device=device) if static else None)
-        self.register_buffer("output_scale",
-                             torch.ones((), dtype=torch.float32, device=device) if quantized_output else None)
+        self._output_reader = ()  # a tuple: the reader is not a submodule of this layer
 
     @classmethod
     def from_float(cls, linear: nn.Linear, relu: Optional[bool] = None,
@@ -190,12 +188,12 @@ class Int8Linear(_QuantizedLinear):
             layer.act_scale.fill_(act_scale)
         return layer
 
-    def quantize_output(self, scale: float) -> None:
-        """Hand the output on as ``QuantizedRows`` quantized with ``scale`` (positive, finite): the static
-        ``act_scale`` of the layer that reads it, which then skips its quantization pass (``quantize_`` with
-        ``fuse_outputs=True`` calls this)."""
-        scale = positive_scale("output scale", scale)
-        self.output_scale = torch.tensor(scale, dtype=torch.float32, device=self.weight.device)
+    def quantize_output(self, reader: "Int8Linear") -> None:
+        """Hand the output on as ``QuantizedRows`` quantized with ``reader``'s static act_scale (read at each
+        call), for ``reader``, the one layer that reads it, which then skips its quantization pass
+        (``quantize_`` with ``fuse_outputs=True`` calls this). TypeError for a reader without an act_scale."""
+        static_scale_of(reader)
+        self._output_reader = (reader,)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
         x = input
@@ -208,7 +206,7 @@ class Int8Linear(_QuantizedLinear):
             xq, x_scale = quantize_int8_rowwise(x)
         else:
             xq, x_scale = quantize_int8_static(x, self.act_scale), self.act_scale
-        out_scale = self.output_scale
+        out_scale = static_scale_of(self._output_reader[0]) if self._output_reader else None
         if out_scale is not None and not (quantized_rows_wanted(x) and out_scale.device == x.device):
             out_scale = None
         y = int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype,

@@ -161,7 +161,7 @@ def _static_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
                scale: torch.Tensor) -> torch.Tensor:
     q = _static_fake(x, weight, bias, eps, scale)
     if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
-        return _torch_static(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), scale)
+        return _torch_static(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), scale.reshape(()))
     _run_kernel(x, weight, bias, eps, q, scale, static=True)
     return q
 
@@ -247,32 +247,44 @@ def why_not_fused_norm(norm: nn.Module) -> Optional[str]:
     return None
 
 
+def static_scale_of(reader: nn.Module) -> torch.Tensor:
+    """The static ``act_scale`` of ``reader``, a layer whose input a producer quantizes for it (read at each call:
+    the reader's buffer is the one scale, which its state dict, ``.to()`` and a load keep); TypeError for a layer
+    without one."""
+    scale = getattr(reader, "act_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"a static quantized input is made for a static Int8Linear (one with an act_scale), got "
+                        f"{type(reader).__name__}")
+    return scale
+
+
 class QuantizedLayerNorm(nn.Module):
     """``nn.LayerNorm`` over the last dimension whose output is its rows quantized (int8, or fp8 with ``fp8``), each
-    with its own scale, or with ``act_scale`` all with that one (int8: the static scale of the layers that read
-    it), for quantized linears to read (see the module's docstring); its ``weight`` and ``bias`` are the float
-    norm's (the same state-dict keys, and ``act_scale`` where static). Inference only: where the fused form cannot
-    serve a call it returns the float norm's output."""
+    with its own scale, or, given a static ``reader`` (an Int8Linear with an act_scale), all with the reader's
+    act_scale, read at each call (the layers reading the rows take them with that scale), for quantized linears to
+    read (see the module's docstring); its ``weight`` and ``bias`` are the float norm's (the same state-dict keys).
+    Inference only: where the fused form cannot serve a call it returns the float norm's output."""
 
-    def __init__(self, norm: nn.LayerNorm, fp8: bool = False, act_scale: Optional[float] = None):
+    def __init__(self, norm: nn.LayerNorm, fp8: bool = False, reader: Optional[nn.Module] = None):
         super().__init__()
         why = why_not_fused_norm(norm)
         if why is not None:
             raise ValueError(f"QuantizedLayerNorm of {norm}: {why}")
-        if fp8 and act_scale is not None:
-            raise ValueError("QuantizedLayerNorm: a static act_scale quantizes to int8, not fp8")
+        if reader is not None:
+            static_scale_of(reader)
+            if fp8:
+                raise ValueError("QuantizedLayerNorm: a static reader's scale quantizes to int8, not fp8")
         self.normalized_shape, self.eps, self.fp8 = tuple(norm.normalized_shape), norm.eps, fp8
         self.weight, self.bias = norm.weight, norm.bias
-        scale = None if act_scale is None else torch.tensor(act_scale, dtype=torch.float32, device=norm.weight.device
-                                                             if norm.weight is not None else None)
-        self.register_buffer("act_scale", scale)
+        self._static_reader = () if reader is None else (reader,)  # a tuple: not a submodule of the norm
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.LayerNorm's argument name
         x = input
         if self._fused_applies(x):
-            if self.act_scale is not None:
-                q = layer_norm_quantize_static(x, self.weight, self.bias, self.eps, self.act_scale)
-                return QuantizedRows(q, self.act_scale, x.dtype)
+            if self._static_reader:
+                scale = static_scale_of(self._static_reader[0])
+                return QuantizedRows(layer_norm_quantize_static(x, self.weight, self.bias, self.eps, scale), scale,
+                                     x.dtype)
             return QuantizedRows(*layer_norm_quantize_rows(x, self.weight, self.bias, self.eps, self.fp8), x.dtype)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
@@ -281,8 +293,8 @@ class QuantizedLayerNorm(nn.Module):
         return (quantized_rows_wanted(x, params) and x.dim() > 0 and x.shape[-1] == self.normalized_shape[0]
                 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
                 and all(p.dtype == x.dtype and p.device == x.device for p in params)
-                and (self.act_scale is None or self.act_scale.device == x.device))
+                and all(static_scale_of(r).device == x.device for r in self._static_reader))
 
     def extra_repr(self) -> str:
-        rows = "fp8" if self.fp8 else "int8, one static scale" if self.act_scale is not None else "int8"
+        rows = "fp8" if self.fp8 else "int8, its reader's static scale" if self._static_reader else "int8"
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}, rows={rows}"

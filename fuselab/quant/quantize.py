@@ -504,7 +504,7 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
     if getattr(config, "fuse_norms", False):  # planned too before anything changes: filter_fn may raise there
         norms = _plan_norms(model, config, becomes, filter_fn, report)
     if getattr(config, "fuse_outputs", False):
-        outputs = _plan_outputs(model, config, becomes, report)
+        outputs = _plan_outputs(model, becomes, report)
     for name, parents, quantized, what, error in converted:
         for parent, key in parents:
             setattr(parent, key, quantized)
@@ -513,12 +513,12 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
             report.errors[name] = error
     for layer, key, name, fused, paths in norms:
         setattr(layer, key, fused)
-        static = " with their static scale" if fused.act_scale is not None else ""
+        static = " with their static scale" if fused._static_reader else ""
         report.norms[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fused.fp8 else 'int8'} once"
                               f"{static}, for {', '.join(paths)})")
-    for quantized, name, reader, scale in outputs:
-        quantized.quantize_output(scale)
-        report.outputs[name] = f"int8 in the GEMM's epilogue with {reader}'s act_scale {scale:.3g}, for {reader}"
+    for quantized, name, reader_name, reader in outputs:
+        quantized.quantize_output(reader)
+        report.outputs[name] = f"int8 in the GEMM's epilogue with {reader_name}'s act_scale, for {reader_name}"
     far = {name: error for name, error in report.errors.items() if error > FAR_ERROR}
     if far:  # scales of another model or metric (absmax for act_scales()), a layer int8 cannot hold
         worst = ", ".join(f"{name} {error:.2f}" for name, error in sorted(far.items(), key=lambda kv: -kv[1])[:5])
@@ -576,25 +576,26 @@ def _plan_norms(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], fi
                 why = why_not_fused_norm(norm) or why_not_swapped(norm)
             if why is None and paths_to.get(id(norm), 0) > 1:
                 why = "reached by several paths in the model (a shared norm, or a shared layer holding it)"
-            scale = None
+            after = [becomes.get(id(m), m) for m in (_submodule(layer, p) for p in paths)]
             if why is None:
-                after = [becomes.get(id(m), m) for m in (_submodule(layer, p) for p in paths)]
                 others = [p for p, m in zip(paths, after)
                           if not (type(m) is reader_type and (getattr(m, "act_scale", None) is not None) == static)]
                 if others:
                     why = (f"{', '.join(others)} not a {kind} {reader_type.__name__} (left float, or quantized "
                            "otherwise): only those read these quantized rows")
-            if why is None and static:
-                scales = {p: config.act_scales[f"{layer_name}.{p}" if layer_name else p] for p in paths}
+            if why is None:
+                why = _hooked_on_the_way(layer, paths)
+            if why is None and static:  # the readers' own scales (a model quantized before keeps its own)
+                scales = {p: float(m.act_scale) for p, m in zip(paths, after)}
                 if len(set(scales.values())) > 1:
                     why = f"its readers' act_scales differ ({scales}): one quantization cannot serve them"
-                scale = next(iter(scales.values()))
             if why is None and filter_fn is not None and not filter_fn(norm, name):
                 why = "vetoed by filter_fn"
             if why is not None:
                 report.norms_skipped[name] = why
             else:
-                planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8, act_scale=scale), paths))
+                planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8, reader=after[0] if static else None),
+                                paths))
     if not known:
         report.notes.append("fuse_norms: no decoder layer it knows (it fuses the norms of transformers' "
                             f"{' and '.join(_NORM_READERS)}; OPT's where the norm comes first)")
@@ -606,10 +607,22 @@ def _plan_norms(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], fi
 _OUTPUT_READERS: Dict[str, Tuple[str, str, str]] = {"OPTDecoderLayer": ("fc1", "activation_fn", "fc2")}
 
 
-def _plan_outputs(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], report: QuantizationReport) -> list:
-    """``fuse_outputs``: the (quantized layer, name, reader name, scale) of each known decoder layer's first linear
-    whose output only a static Int8Linear reads (``becomes`` as in ``_plan_norms``); the report's
-    ``outputs_skipped`` says why any other is left."""
+def _hooked_on_the_way(layer: nn.Module, paths: Iterable[str]) -> Optional[str]:
+    """Why a module between ``layer`` and the readers at ``paths`` (``self_attn`` for ``self_attn.q_proj``) would
+    see quantized rows: its forward hooks, which read what it is called with."""
+    for path in paths:
+        parts = path.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            module = _submodule(layer, ".".join(parts[:depth]))
+            if module is not None and (module._forward_pre_hooks or module._forward_hooks):
+                return f"{'.'.join(parts[:depth])} has forward hooks, which would see quantized rows"
+    return None
+
+
+def _plan_outputs(model: nn.Module, becomes: Dict[int, nn.Module], report: QuantizationReport) -> list:
+    """``fuse_outputs``: the (quantized layer, name, reader name, reader) of each known decoder layer's first linear,
+    quantized by this call, whose output only a static Int8Linear reads (``becomes`` as in ``_plan_norms``); the
+    report's ``outputs_skipped`` says why any other is left."""
     paths_to = _paths_to(model)
     planned, known = [], False
     for layer_name, layer in model.named_modules():
@@ -620,18 +633,21 @@ def _plan_outputs(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], 
         first, act, second = chain
         name, reader = (f"{layer_name}.{key}" if layer_name else key for key in (first, second))
         producer, activation, consumer = (getattr(layer, key, None) for key in chain)
-        after, read_by = becomes.get(id(producer)), becomes.get(id(consumer))
+        after, read_by = becomes.get(id(producer)), becomes.get(id(consumer), consumer)
         if type(after) is not Int8Linear:
             why = "not quantized to an Int8Linear by this call"
         elif type(activation) is not nn.Identity:
-            why = (f"{act} is a {type(activation).__name__}, not the nn.Identity fuse_linear_relu leaves after fusing "
-                   f"a ReLU into {first}: run fuse_linear_relu before quantize_")
+            fix = ("run fuse_linear_relu before quantize_" if isinstance(activation, nn.ReLU)
+                   else "only a ReLU, fused into it, leaves nothing between the two")
+            why = f"{act} is a {type(activation).__name__}, not the nn.Identity fuse_linear_relu leaves: {fix}"
+        elif activation._forward_pre_hooks or activation._forward_hooks:
+            why = f"{act} has forward hooks, which would see quantized rows"
         elif type(read_by) is not Int8Linear or read_by.act_scale is None:
-            why = f"its reader {reader} is not a static Int8Linear made by this call"
+            why = f"its reader {reader} is not a static Int8Linear"
         elif any(paths_to.get(id(m), 0) > 1 for m in (producer, activation, consumer)):
             why = "reached by several paths in the model (a shared layer)"
         else:
-            planned.append((after, name, reader, config.act_scales[reader]))
+            planned.append((after, name, reader, read_by))
             continue
         report.outputs_skipped[name] = why
     if not known:

@@ -219,7 +219,7 @@ def _static_fake(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _static_op(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     q = _static_fake(x, scale)
     if not _runs_triton(x):
-        return _torch_static(x, scale)
+        return _torch_static(x, scale.reshape(()))  # a (1, 1) scale must not broadcast x to more dimensions
     if x.numel():
         _quantize_rows(_rows(x), q.view(-1, x.shape[-1]), scale, static=True)
     return q

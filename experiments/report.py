@@ -148,8 +148,11 @@ tokens; `wall` mode: synchronized, per forward): baseline **`fuselab bf16`** (pa
 `fuse_linear_relu`), `stock bf16`, and the patched model quantized by `quantize_` with
 `Int8DynamicActivationInt8WeightConfig` (`int8 dynamic`) or `Float8RowwiseConfig` (`fp8`), every
 Linear including lm_head (`int8 fused norms`, `fp8 fused norms`: with `fuse_norms=True`, each layer's
-two norms quantize their rows once, for q/k/v and for fc1); its `rel err` is the first sequence's
-logits against the stock model's.
+two norms quantize their rows once, for q/k/v and for fc1), or with
+`Int8StaticActivationInt8WeightConfig` of scales calibrated on 2 batches of 4 x 256 other random tokens
+(`int8 static`; `int8 static fused`: with `fuse_norms` and `fuse_outputs`, the norms and fc1's epilogue
+write the int8 inputs of q/k/v, fc1 and fc2); its `rel err` is the first sequence's logits against the
+stock model's.
 The issue's target is a quantized prefill at least 1.3x faster than `fuselab bf16`. Shapes or
 GPUs a provider refuses (cuBLAS's 8-bit GEMMs need M > 16 and K, N multiples of 8 or 16; fp8
 needs compute capability 8.9) are listed under "Not measured"; an op with no table below has not

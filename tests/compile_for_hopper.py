@@ -94,15 +94,16 @@ def gemm_launches(dtype, *, bias=True, relu=True, mask=False, rowsum=False):
         rowsum=torch.empty(M, dtype=torch.float32) if rowsum else None, relu=relu))
 
 
-def scaled_gemm_launches(dtype):
+def scaled_gemm_launches(dtype, quantized_output: bool = False):
     from fuselab.quant import _scaled_gemm as SG
 
     M, N, K = 256, 256, 256
     a, b = torch.empty(M, K, dtype=dtype), torch.empty(N, K, dtype=dtype).t()
     scales = torch.empty(M, dtype=torch.float32), torch.empty(N, dtype=torch.float32)
-    c = torch.empty(M, N, dtype=torch.bfloat16)
+    c = torch.empty(M, N, dtype=torch.int8 if quantized_output else torch.bfloat16)
+    out = (torch.empty((), dtype=torch.float32), torch.bfloat16) if quantized_output else ()
     return record(SG.scaled_gemm_kernel, lambda: SG.scaled_gemm(a, b, c, *scales, torch.empty(N, dtype=torch.bfloat16),
-                                                                True))
+                                                                True, *out))
 
 
 def _gemm_configs(tma: bool):
@@ -139,13 +140,13 @@ def group_gemm_variants():
 
 
 def group_quant():
-    """Every config of the 8-bit GEMM, int8 and fp8, with its full epilogue."""
+    """Every config of the 8-bit GEMM, int8 and fp8, with its full epilogue (int8's also quantizing its output)."""
     from fuselab.quant import _scaled_gemm as SG
 
-    for dtype in (torch.int8, torch.float8_e4m3fn):
-        (launch,) = scaled_gemm_launches(dtype)
+    for dtype, quantized_output in ((torch.int8, False), (torch.float8_e4m3fn, False), (torch.int8, True)):
+        (launch,) = scaled_gemm_launches(dtype, quantized_output)
         for config in SG.scaled_gemm_kernel.configs:
-            yield f"scaled_gemm {dtype}", launch, config, {}
+            yield f"scaled_gemm {dtype}{' int8 output' if quantized_output else ''}", launch, config, {}
 
 
 def group_rowwise():
@@ -161,13 +162,14 @@ def group_rowwise():
             yield f"quantize_rows fp8={fp8} static={static} K={K}", launch, launch.config, {}
     from fuselab.quant import norm_quant  # the layer norm that quantizes its rows: affine or not, each width class
 
-    for fp8, affine, K in ((False, True, 2048), (True, True, 2048), (False, False, 768), (False, True, 9216),
-                           (False, True, 1)):  # K = 1: Triton makes it a constexpr
+    for fp8, static, affine, K in ((False, False, True, 2048), (True, False, True, 2048), (False, True, True, 2048),
+                                   (False, False, False, 768), (False, False, True, 9216),
+                                   (False, False, True, 1)):  # K = 1: Triton makes it a constexpr
         x, w = torch.empty(64, K, dtype=torch.bfloat16), torch.empty(K, dtype=torch.bfloat16) if affine else None
         q = torch.empty(64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
         for launch in record_plain(norm_quant, lambda: norm_quant._layer_norm_quantize(x, w, w, 1e-5, q,
-                                                                                         torch.empty(64))):
-            yield f"layer_norm_quantize_rows fp8={fp8} affine={affine} K={K}", launch, launch.config, {}
+                                                                                         torch.empty(64), static)):
+            yield f"layer_norm_quantize_rows fp8={fp8} static={static} affine={affine} K={K}", launch, launch.config, {}
 
 
 def group_sparse_adamw():

@@ -436,9 +436,8 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
     makes such pairs FusedLinearReLU, which this fuses into the epilogue. A config's ``fuse_norms=True``
     also makes the norms of known decoder layers whose readers are all quantized ``QuantizedLayerNorm``
     (``_plan_norms``; ``filter_fn`` sees those norms too, and may veto them); the static config's
-    ``fuse_outputs=True`` has a known decoder layer's fc1 quantize its output for fc2 (``_plan_outputs``). A
-    layer shared by several
-    parents is replaced everywhere by one quantized layer. Returns the report (layers already
+    ``fuse_outputs=True`` has a known decoder layer's fc1 quantize its output for fc2 (``_plan_outputs``).
+    A layer shared by several parents is replaced everywhere by one quantized layer. Returns the report (layers already
     quantized are listed as left alone); raises TypeError for an unknown config type, a config class
     passed for an instance and a ``calibration`` that is not a Calibration, ValueError for a calibration
     sample that the layer of its name cannot take and for static scales none of which names a layer here
@@ -614,9 +613,13 @@ def _hooked_on_the_way(layer: nn.Module, paths: Iterable[str]) -> Optional[str]:
         parts = path.split(".")[:-1]
         for depth in range(1, len(parts) + 1):
             module = _submodule(layer, ".".join(parts[:depth]))
-            if module is not None and (module._forward_pre_hooks or module._forward_hooks):
+            if module is not None and _forward_hooked(module):
                 return f"{'.'.join(parts[:depth])} has forward hooks, which would see quantized rows"
     return None
+
+
+def _forward_hooked(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 def _plan_outputs(model: nn.Module, becomes: Dict[int, nn.Module], report: QuantizationReport) -> list:
@@ -640,7 +643,7 @@ def _plan_outputs(model: nn.Module, becomes: Dict[int, nn.Module], report: Quant
             fix = ("run fuse_linear_relu before quantize_" if isinstance(activation, nn.ReLU)
                    else "only a ReLU, fused into it, leaves nothing between the two")
             why = f"{act} is a {type(activation).__name__}, not the nn.Identity fuse_linear_relu leaves: {fix}"
-        elif activation._forward_pre_hooks or activation._forward_hooks:
+        elif _forward_hooked(activation):
             why = f"{act} has forward hooks, which would see quantized rows"
         elif type(read_by) is not Int8Linear or read_by.act_scale is None:
             why = f"its reader {reader} is not a static Int8Linear"

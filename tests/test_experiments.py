@@ -910,7 +910,8 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     assert again.failed[-1]["provider"] == "_scaled_mm" and "ZeroDivisionError" in again.failed[-1]["error"]
     assert again.value(op="fp8 gemm", provider="fuselab fp8", mode="eager", metric="rel err") < 1e-2
 
-    args.providers = {"prefill": ["fuselab bf16", "int8 dynamic", "int8 fused norms", "int8 static", "int8 static fused"]}
+    args.providers = {"prefill": ["fuselab bf16", "int8 dynamic", "int8 fused norms", "int8 static",
+                                  "int8 static fused"]}
     events = []  # --profile: every provider timed before any is profiled (a profiler session slows later launches)
     monkeypatch.setattr(bench_quant, "time_call", lambda fn, mode, **kw: events.append("time") or one_call(fn, mode))
     monkeypatch.setattr(bench_quant, "kernel_table", lambda fn, steps: events.append("profile") or "table")
@@ -926,7 +927,8 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     assert rows[2]["quantized_layers"] == 2 * 6 + 1 and rows[2]["fused_norms"] == 2 * 2  # and each layer's norms
     assert res.value(op="prefill", provider="int8 fused norms", metric="rel err") < 0.1
     assert res.value(op="prefill", provider="int8 dynamic", metric="rel err") < 0.1
-    assert "fused_norms" not in rows[3] and rows[4]["fused_norms"] == 2 * 2 and rows[4]["quantized_outputs"] == 2
+    static, fused = ({r["provider"]: r for r in rows}[name] for name in ("int8 static", "int8 static fused"))
+    assert "fused_norms" not in static and fused["fused_norms"] == 2 * 2 and fused["quantized_outputs"] == 2
     # the fusions hand on the int8 values the static layers would make themselves: the same logits
     assert res.value(op="prefill", provider="int8 static fused", metric="rel err") == \
         res.value(op="prefill", provider="int8 static", metric="rel err") < 0.1

@@ -278,11 +278,12 @@ def test_a_static_decoder_with_fused_norms_and_outputs_computes_its_unfused_quan
     layers = [f"model.decoder.layers.{i}" for i in range(2)]
     assert "fused 4 norm(s), left 0; 2 output(s) quantized in the epilogue, left 0" in str(report), str(report)
     assert all("with their static scale" in report.norms[f"{n}.final_layer_norm"] for n in layers)
-    assert all(f"for {n}.fc2" in report.outputs[f"{n}.fc1"] for n in layers)
+    assert all(f"act_scale of {n}.fc2, which reads it" in report.outputs[f"{n}.fc1"] for n in layers)
     fc1, fc2 = fused.model.decoder.layers[0].fc1, fused.model.decoder.layers[0].fc2
     assert fc1._output_reader == (fc2,) and "output quantized for the next layer" in repr(fc1)
     norm = fused.model.decoder.layers[0].self_attn_layer_norm
-    assert norm._static_reader == (fused.model.decoder.layers[0].self_attn.q_proj,) and "static scale" in repr(norm)
+    attn = fused.model.decoder.layers[0].self_attn
+    assert norm._static_readers == (attn.q_proj, attn.k_proj, attn.v_proj) and "static scale" in repr(norm)
     # the scales live in the readers only: the same state-dict keys as the unfused model, loadable both ways
     assert fused.state_dict().keys() == unfused.state_dict().keys()
     seen = {}
@@ -310,6 +311,12 @@ def test_a_static_decoder_with_fused_norms_and_outputs_computes_its_unfused_quan
         fused.load_state_dict(unfused.state_dict())
         out, ref = fused(ids).logits, unfused(ids).logits
     assert torch.equal(out, ref) if not kernel else (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    # k's scale changed after quantize_ (in both): the norm hands on floats, each of q, k, v quantizes its own
+    with torch.no_grad():
+        for m in (fused, unfused):
+            m.model.decoder.layers[0].self_attn.k_proj.act_scale *= 3
+        out, ref = fused(ids).logits, unfused(ids).logits
+    assert torch.equal(out, ref) if not kernel else (out - ref).abs().max() <= 1e-2 * ref.abs().max()
     # a dtype cast rounds the float weights but keeps the fp32 scales (the readers' buffers): as the unfused model
     with torch.no_grad():
         out, ref = (copy.deepcopy(m).half().float()(ids).logits for m in (fused, unfused))
@@ -321,7 +328,8 @@ def test_static_fusions_left_where_they_would_not_compute_the_same():
     config = _static_config(model, fuse_norms=True, fuse_outputs=True)
     scales = dict(config.act_scales)
     scales["model.decoder.layers.0.self_attn.k_proj"] *= 2  # q, k, v no longer share one scale
-    report = quantize_(copy.deepcopy(model), Int8StaticActivationInt8WeightConfig(scales, True, True))
+    report = quantize_(copy.deepcopy(model), Int8StaticActivationInt8WeightConfig(scales, fuse_norms=True,
+                                                                                  fuse_outputs=True))
     assert "act_scales differ" in report.norms_skipped["model.decoder.layers.0.self_attn_layer_norm"]
     assert "model.decoder.layers.0.final_layer_norm" in report.norms
     # fc2 left float: fc1 hands on floats; the ReLU not fused (no fuse_linear_relu first): named
@@ -340,8 +348,12 @@ def test_static_fusions_left_where_they_would_not_compute_the_same():
     report = quantize_(hooked, config)
     assert "self_attn has forward hooks" in report.norms_skipped["model.decoder.layers.0.self_attn_layer_norm"]
     assert "activation_fn has forward hooks" in report.outputs_skipped["model.decoder.layers.0.fc1"]
-    with torch.no_grad():
-        hooked(torch.randint(0, 100, (1, 5)))
+    unfused = copy.deepcopy(model)
+    quantize_(unfused, _static_config(model))
+    ids = torch.randint(0, 100, (1, 5))
+    with torch.no_grad():  # the hooked parts unfused, the rest fused: the unfused model's logits
+        out, ref = hooked(ids).logits, unfused(ids).logits
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
     # rows handed on to anything but a quantized linear: named, not read as floats
     layer = Int8Linear.from_float(nn.Linear(16, 8))
     with pytest.raises(TypeError, match="made for a static Int8Linear"):
@@ -355,4 +367,10 @@ def test_static_fusions_left_where_they_would_not_compute_the_same():
     x = torch.randn(3, 16, requires_grad=True)  # a gradient wanted: floats, whose backward then raises
     assert type(layer(x)) is torch.Tensor
     with pytest.raises(TypeError, match="made for a static Int8Linear"):
-        QuantizedLayerNorm(nn.LayerNorm(16), reader=nn.Linear(16, 4))
+        QuantizedLayerNorm(nn.LayerNorm(16), readers=(nn.Linear(16, 4),))
+    # rows quantized for one static layer, read by another (a copy of the producer alone): refused, naming it
+    other = Int8Linear.from_float(nn.Linear(8, 4), act_scale=0.1)
+    with torch.no_grad(), pytest.raises(TypeError, match="rows quantized with another layer's act_scale"):
+        other(copy.deepcopy(layer)(torch.randn(3, 16)))
+    with torch.no_grad(), pytest.raises(TypeError, match="a dynamic Int8Linear got rows quantized with one static"):
+        Int8Linear.from_float(nn.Linear(8, 4))(layer(torch.randn(3, 16)))

@@ -211,9 +211,11 @@ def test_every_gpu_config(device, kind, monkeypatch):
         ref, bound = reference(a, b, a_scale, b_scale, bias, True)
         assert_close(out, ref, bound, f"{kind} config {config}, bias stride {bias.stride(0)}")
         if kind == "int8":  # the epilogue's quantized output (int8 tiles stored): the float output's bits, quantized
+            relu = i % 2 == 0  # negative values through the int8 store too
             q = torch.full((M, N), -128, dtype=torch.int8, device=device)  # poison: the epilogue never makes -128
-            scaled_gemm(a, b, q, a_scale, b_scale, bias, True, out_scale, torch.bfloat16, config=config)
-            assert torch.equal(q, quantize_int8_static(out, out_scale)), f"quantized output, config {config}"
+            scaled_gemm(a, b, q, a_scale, b_scale, bias, relu, out_scale, torch.bfloat16, config=config)
+            want = int8_matmul(a, b, a_scale, b_scale, bias, relu, torch.bfloat16, backend="torch")
+            assert torch.equal(q, quantize_int8_static(want, out_scale)), f"quantized output, config {config}"
     assert ran_tma == sum(c.kwargs["TMA"] for c in gemm_configs(interpret=False))
 
 
@@ -523,6 +525,32 @@ def test_compile_fullgraph():
     ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert any("fuselab.int8_matmul_epilogue" in op for op in ops)
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
+
+
+def test_quantized_output_and_static_norm_compile_and_export():
+    # the ops' new arguments as graph nodes: int8_matmul's out_scale, the static layer norm
+    from fuselab.quant.norm_quant import layer_norm_quantize_static
+
+    a, b, a_scale, b_scale = _operands(11, 24, 9, "int8", "cpu")
+    x, w, bias, s = torch.randn(5, 24), torch.rand(24) + 0.5, torch.randn(24), torch.tensor(0.03)
+
+    def fn(a, x, s):
+        return int8_matmul(a, b, a_scale, b_scale, None, True, torch.bfloat16, out_scale=s), \
+            layer_norm_quantize_static(x, w, bias, 1e-5, s)
+
+    eager = fn(a, x, s)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(a, x, s)
+
+    class Both(torch.nn.Module):
+        def forward(self, a, x, s):
+            return fn(a, x, s)
+
+    program = torch.export.export(Both(), (a, x, s))
+    ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert {"fuselab.int8_matmul_epilogue.default", "fuselab.layer_norm_quantize_static.default"} <= ops, ops
+    for got in (compiled, program.module()(a, x, s)):
+        assert all(torch.equal(g, e) for g, e in zip(got, eager))
 
 
 _LOAD_IN_FRESH_PROCESS = textwrap.dedent("""

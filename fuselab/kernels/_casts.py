@@ -4,9 +4,9 @@ Triton's interpreter (``TRITON_INTERPRET=1``, where the CPU tests run the kernel
 truncating, and mangles subnormals, where a GPU's ``cvt.rn`` rounds to nearest even: a bf16 result there
 was off by up to an ulp, biased toward zero (a SparseAdamW step with a zero gradient moved bf16 weights).
 Under the interpreter the bf16 cast is made on the bits instead; compiled, it is the plain cast (the
-branch is a constexpr: the GPU's code is unchanged). SparseAdamW's and the distillation loss's kernels
-use it; the GEMMs' will with their next GPU sweep (a tuned kernel's source is part of its shipped configs'
-fingerprint: an edit there drops them until a sweep rewrites them).
+branch is a constexpr: the GPU's code is unchanged). SparseAdamW's, the distillation loss's and the 8-bit
+GEMM's epilogue use it; the bf16 GEMM's will with its next GPU sweep (a tuned kernel's source is part of its
+shipped configs' fingerprint: an edit there drops them until a sweep rewrites them).
 """
 import triton
 import triton.language as tl

@@ -269,6 +269,9 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
     N = b.shape[1]
     if M == 0 or N == 0:
         return
+    if out_scale is not None and out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"scaled_gemm: out_scale quantizes the result cast to out_dtype (float32, float16 or "
+                         f"bfloat16), got out_dtype={out_dtype}")
     out_dtype = c.dtype if out_scale is None else out_dtype
     tensors = (a, b, c, a_scale, b_scale, bias, out_scale)
     present = [t for t in tensors if t is not None]
@@ -367,7 +370,7 @@ def torch_epilogue(acc: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: 
     if relu:
         out = torch.relu(out)
     out = out.to(out_dtype)
-    return out if out_scale is None else _torch_static(out, out_scale.reshape(()))  # one value: no broadcast
+    return out if out_scale is None else _torch_static(out, out_scale)
 
 
 def result_dtype(out_dtype: torch.dtype, out_scale: Optional[torch.Tensor]) -> torch.dtype:
@@ -422,7 +425,7 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
                          f"got {a.device.type} tensors: use backend='auto' or 'torch'")
     if backend == "torch":
         out = torch_forward(*args)
-    elif backend == "triton" or (runs_triton and untraced(*args[:5])):
+    elif backend == "triton" or (runs_triton and untraced(*args[:5], out_scale)):
         check_for_triton(*args)
         out = a2.new_empty((a2.shape[0], b.shape[1]), dtype=result_dtype(out_dtype, out_scale))
         scaled_gemm(a2, b, out, a_scale, b_scale, bias, relu, out_scale, out_dtype)

@@ -11,8 +11,8 @@ accumulators, as ``torch._int_mm`` does.
 Where it runs (``execution_path``): fuselab's Triton kernel on CUDA (and in the interpreter), and
 on a CPU PyTorch's int8 GEMM (``torch._int_mm``) and the same epilogue in PyTorch's fp32 ops. Both
 accumulate integers, so both give the same int32 accumulators bit for bit; the epilogues agree to
-within fp32 rounding (a bf16 output in the interpreter excepted: its cast truncates, up to an ulp toward
-zero, until the kernel stores through ``cast_rne``; see ``fuselab.kernels._casts``). Finite inputs beyond
+within fp32 rounding (the cast rounds to nearest even on both, the interpreter's too: ``fuselab.kernels._casts``),
+and an int8 output (``out_scale``) is the same bits on both. Finite inputs beyond
 ~2.7e36 / K can overflow the fp32 product ``acc * a_scale`` to inf before ``b_scale`` applies. The
 operands come from ``fuselab.quant.rowwise``: symmetric, scale = absmax/127.
 """

@@ -166,11 +166,12 @@ class Int8Linear(_QuantizedLinear):
     quantized in the GEMM's epilogue with the reader's act_scale, where ``quantized_rows_wanted`` allows (else as
     floats: the same values)."""
 
+    _output_reader: tuple = ()  # a tuple: the reader is not a submodule of this layer (a class default: old pickles)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, relu: bool = False,
                  static: bool = False, device=None):
         super().__init__(in_features, out_features, bias, relu, torch.int8, device=device)
         self.register_buffer("act_scale", torch.ones((), dtype=torch.float32, device=device) if static else None)
-        self._output_reader = ()  # a tuple: the reader is not a submodule of this layer
 
     @classmethod
     def from_float(cls, linear: nn.Linear, relu: Optional[bool] = None,
@@ -191,7 +192,8 @@ class Int8Linear(_QuantizedLinear):
     def quantize_output(self, reader: "Int8Linear") -> None:
         """Hand the output on as ``QuantizedRows`` quantized with ``reader``'s static act_scale (read at each
         call), for ``reader``, the one layer that reads it, which then skips its quantization pass
-        (``quantize_`` with ``fuse_outputs=True`` calls this). TypeError for a reader without an act_scale."""
+        (``quantize_`` with ``fuse_outputs=True`` calls this). TypeError for a reader without an act_scale. A copy of
+        this layer alone holds a copy of the reader: any other layer refuses its rows."""
         static_scale_of(reader)
         self._output_reader = (reader,)
 
@@ -201,7 +203,7 @@ class Int8Linear(_QuantizedLinear):
         self._check_width(x)
         out_dtype = _output_dtype(x)
         if isinstance(x, QuantizedRows):  # quantized by the layer before, with its scales
-            xq, x_scale = x.unwrap(fp8=False, layer="Int8Linear")
+            xq, x_scale = x.unwrap(fp8=False, layer=self)
         elif self.act_scale is None:
             xq, x_scale = quantize_int8_rowwise(x)
         else:
@@ -235,7 +237,7 @@ class Float8Linear(_QuantizedLinear):
         self._check_width(x)
         out_dtype = _output_dtype(x)
         if isinstance(x, QuantizedRows):  # a QuantizedLayerNorm's rows, quantized there
-            xq, x_scale = x.unwrap(fp8=True, layer="Float8Linear")
+            xq, x_scale = x.unwrap(fp8=True, layer=self)
         else:
             xq, x_scale = quantize_fp8_rowwise(x)
         y = fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)

@@ -1,4 +1,5 @@
-"""A LayerNorm whose output is quantized as it is made: ``torch.ops.fuselab.layer_norm_quantize_rows``.
+"""A LayerNorm whose output is quantized as it is made: ``torch.ops.fuselab.layer_norm_quantize_rows`` (a scale per
+row) and ``layer_norm_quantize_static`` (one given scale).
 
 In a quantized decoder each quantized linear quantizes its own input on every call: q, k and v each read the
 norm's output and write int8 rows of it (three passes over the same activations, after the norm's own write
@@ -161,7 +162,7 @@ def _static_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
                scale: torch.Tensor) -> torch.Tensor:
     q = _static_fake(x, weight, bias, eps, scale)
     if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
-        return _torch_static(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), scale.reshape(()))
+        return _torch_static(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), scale)
     _run_kernel(x, weight, bias, eps, q, scale, static=True)
     return q
 
@@ -197,15 +198,17 @@ def layer_norm_quantize_static(x: torch.Tensor, weight: Optional[torch.Tensor], 
 class QuantizedRows(torch.Tensor):
     """A ``QuantizedLayerNorm``'s output (or a quantized linear's, where a static layer reads it): shape and dtype of
     the float values, holding only their rows quantized (``qdata``: int8 or float8_e4m3fn, same shape) with one fp32
-    scale each (``scale``, shape[:-1]) or one for all (0-d: a static scale). Fuselab's quantized linears take it as
-    their quantized input; any other op raises (there are no float values to give)."""
+    scale each (``scale``, shape[:-1]) or one for all (0-d: a static reader's act_scale, made for ``readers``, the
+    static layers whose scale it was found equal to). Fuselab's quantized linears take it as their quantized input
+    (``check_reader``); any other op raises (there are no float values to give)."""
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, readers: Tuple[nn.Module, ...] = ()):
         return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype, device=qdata.device)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-        self.qdata, self.scale = qdata, scale
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                 readers: Tuple[nn.Module, ...] = ()):
+        self.qdata, self.scale, self.readers = qdata, scale, readers
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # ops reach __torch_dispatch__: no Python cost
 
@@ -220,11 +223,21 @@ class QuantizedRows(torch.Tensor):
         return (f"QuantizedRows(shape={tuple(self.shape)}, {self.qdata.dtype} rows standing for {self.dtype}, "
                 f"{'one static scale' if self.scale.dim() == 0 else 'a scale per row'}, device={self.device})")
 
-    def unwrap(self, fp8: bool, layer: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(qdata, scale)`` for a quantized linear of ``fp8`` (else int8) inputs, or TypeError naming ``layer``."""
+    def unwrap(self, fp8: bool, layer: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(qdata, scale)`` for the quantized linear ``layer`` of ``fp8`` (else int8) inputs: a dynamic layer takes
+        rows with a scale each, a static one (with an act_scale) rows quantized with its own scale; else TypeError
+        naming it (the rows would be read with a scale the layer does not use: a model wired or copied apart from
+        what quantize_ planned)."""
+        name = type(layer).__name__
         if (self.qdata.dtype == FP8_DTYPE) != fp8:
-            raise TypeError(f"{layer} takes {'fp8' if fp8 else 'int8'} activations, got {self.qdata.dtype} rows from a "
-                            "QuantizedLayerNorm")
+            raise TypeError(f"{name} takes {'fp8' if fp8 else 'int8'} activations, got {self.qdata.dtype} rows")
+        own = getattr(layer, "act_scale", None)
+        if (own is None) != (self.scale.dim() != 0):
+            raise TypeError(f"a {'dynamic' if own is None else 'static'} {name} got rows quantized "
+                            f"{'with one static scale' if own is None else 'with a scale per row'}")
+        if own is not None and self.scale is not own and not any(layer is r for r in self.readers):
+            raise TypeError(f"a static {name} got rows quantized with another layer's act_scale (its producer was "
+                            "made for another reader: a layer copied or replaced after quantize_?)")
         return self.qdata, self.scale
 
 
@@ -260,41 +273,57 @@ def static_scale_of(reader: nn.Module) -> torch.Tensor:
 
 class QuantizedLayerNorm(nn.Module):
     """``nn.LayerNorm`` over the last dimension whose output is its rows quantized (int8, or fp8 with ``fp8``), each
-    with its own scale, or, given a static ``reader`` (an Int8Linear with an act_scale), all with the reader's
-    act_scale, read at each call (the layers reading the rows take them with that scale), for quantized linears to
-    read (see the module's docstring); its ``weight`` and ``bias`` are the float norm's (the same state-dict keys).
-    Inference only: where the fused form cannot serve a call it returns the float norm's output."""
+    with its own scale, or, given static ``readers`` (Int8Linears with an act_scale), all with their one act_scale,
+    read at each call, for quantized linears to read (see the module's docstring); its ``weight`` and ``bias`` are
+    the float norm's (the same state-dict keys). Inference only: where the fused form cannot serve a call (and
+    where the readers' scales are no longer equal) it returns the float norm's output."""
 
-    def __init__(self, norm: nn.LayerNorm, fp8: bool = False, reader: Optional[nn.Module] = None):
+    _static_readers: Tuple[nn.Module, ...] = ()  # a tuple: not submodules of the norm (a class default: old pickles)
+    _checked: Tuple[tuple, bool] = ((), False)  # the readers' scale tensors and versions last compared, and the result
+
+    def __init__(self, norm: nn.LayerNorm, fp8: bool = False, readers: Tuple[nn.Module, ...] = ()):
         super().__init__()
         why = why_not_fused_norm(norm)
         if why is not None:
             raise ValueError(f"QuantizedLayerNorm of {norm}: {why}")
-        if reader is not None:
+        for reader in readers:
             static_scale_of(reader)
-            if fp8:
-                raise ValueError("QuantizedLayerNorm: a static reader's scale quantizes to int8, not fp8")
+        if fp8 and readers:
+            raise ValueError("QuantizedLayerNorm: static readers' scale quantizes to int8, not fp8")
         self.normalized_shape, self.eps, self.fp8 = tuple(norm.normalized_shape), norm.eps, fp8
         self.weight, self.bias = norm.weight, norm.bias
-        self._static_reader = () if reader is None else (reader,)  # a tuple: not a submodule of the norm
+        self._static_readers = tuple(readers)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.LayerNorm's argument name
         x = input
         if self._fused_applies(x):
-            if self._static_reader:
-                scale = static_scale_of(self._static_reader[0])
-                return QuantizedRows(layer_norm_quantize_static(x, self.weight, self.bias, self.eps, scale), scale,
+            if not self._static_readers:
+                return QuantizedRows(*layer_norm_quantize_rows(x, self.weight, self.bias, self.eps, self.fp8),
                                      x.dtype)
-            return QuantizedRows(*layer_norm_quantize_rows(x, self.weight, self.bias, self.eps, self.fp8), x.dtype)
+            scale = self._shared_scale()
+            if scale is not None:
+                return QuantizedRows(layer_norm_quantize_static(x, self.weight, self.bias, self.eps, scale), scale,
+                                     x.dtype, self._static_readers)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def _shared_scale(self) -> Optional[torch.Tensor]:
+        """The readers' act_scale if they are all equal (compared once per change of a scale tensor or its version:
+        a load or an edit in place), else None: each reader then quantizes the float output with its own."""
+        scales = tuple(static_scale_of(r) for r in self._static_readers)
+        state = tuple((s, s._version) for s in scales)  # the tensors held: an id cannot be reused meanwhile
+        seen, equal = self._checked
+        if len(seen) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(seen, state)):
+            equal = all(torch.equal(scales[0], s) for s in scales[1:])  # one host sync a change
+            self._checked = (state, equal)
+        return scales[0] if equal else None
 
     def _fused_applies(self, x: torch.Tensor) -> bool:
         params = [p for p in (self.weight, self.bias) if p is not None]
         return (quantized_rows_wanted(x, params) and x.dim() > 0 and x.shape[-1] == self.normalized_shape[0]
                 and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
                 and all(p.dtype == x.dtype and p.device == x.device for p in params)
-                and all(static_scale_of(r).device == x.device for r in self._static_reader))
+                and all(static_scale_of(r).device == x.device for r in self._static_readers))
 
     def extra_repr(self) -> str:
-        rows = "fp8" if self.fp8 else "int8, its reader's static scale" if self._static_reader else "int8"
+        rows = "fp8" if self.fp8 else "int8, its readers' static scale" if self._static_readers else "int8"
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}, rows={rows}"

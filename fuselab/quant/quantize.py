@@ -512,12 +512,12 @@ def quantize_(model: nn.Module, config: Any, *, filter_fn: Optional[Callable[[nn
             report.errors[name] = error
     for layer, key, name, fused, paths in norms:
         setattr(layer, key, fused)
-        static = " with their static scale" if fused._static_reader else ""
+        static = " with their static scale" if fused._static_readers else ""
         report.norms[name] = (f"QuantizedLayerNorm (its rows quantized to {'fp8' if fused.fp8 else 'int8'} once"
                               f"{static}, for {', '.join(paths)})")
     for quantized, name, reader_name, reader in outputs:
         quantized.quantize_output(reader)
-        report.outputs[name] = f"int8 in the GEMM's epilogue with {reader_name}'s act_scale, for {reader_name}"
+        report.outputs[name] = f"int8 in the GEMM's epilogue, with the act_scale of {reader_name}, which reads it"
     far = {name: error for name, error in report.errors.items() if error > FAR_ERROR}
     if far:  # scales of another model or metric (absmax for act_scales()), a layer int8 cannot hold
         worst = ", ".join(f"{name} {error:.2f}" for name, error in sorted(far.items(), key=lambda kv: -kv[1])[:5])
@@ -593,7 +593,7 @@ def _plan_norms(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], fi
             if why is not None:
                 report.norms_skipped[name] = why
             else:
-                planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8, reader=after[0] if static else None),
+                planned.append((layer, key, name, QuantizedLayerNorm(norm, fp8, readers=tuple(after) if static else ()),
                                 paths))
     if not known:
         report.notes.append("fuse_norms: no decoder layer it knows (it fuses the norms of transformers' "

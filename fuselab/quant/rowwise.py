@@ -181,7 +181,9 @@ def _nan_quotients_to_zero(quotient: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``quantize_static`` by PyTorch's ops (``scale`` may be any shape that broadcasts)."""
+    """``quantize_static`` by PyTorch's ops (``scale`` may be any shape that broadcasts; one value of any shape
+    keeps x's: a (1, 1) scale must not broadcast x to more dimensions)."""
+    scale = scale.reshape(()) if scale.numel() == 1 else scale
     return _nan_quotients_to_zero(x.to(torch.float32) / scale).round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
 
 
@@ -219,7 +221,7 @@ def _static_fake(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _static_op(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     q = _static_fake(x, scale)
     if not _runs_triton(x):
-        return _torch_static(x, scale.reshape(()))  # a (1, 1) scale must not broadcast x to more dimensions
+        return _torch_static(x, scale)
     if x.numel():
         _quantize_rows(_rows(x), q.view(-1, x.shape[-1]), scale, static=True)
     return q

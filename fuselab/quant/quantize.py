@@ -538,6 +538,12 @@ _NORM_READERS: Dict[str, Tuple[Callable[[nn.Module], bool], Dict[str, Tuple[str,
 }
 
 
+def _known_layers(model: nn.Module, table: Dict[str, Any]) -> List[Tuple[str, nn.Module, Any]]:
+    """(name, layer, entry) of each transformers layer of ``model`` whose class name ``table`` knows."""
+    return [(name, layer, table[type(layer).__name__]) for name, layer in model.named_modules()
+            if type(layer).__name__ in table and type(layer).__module__.startswith("transformers.")]
+
+
 def _paths_to(model: nn.Module) -> Dict[int, int]:
     """id(module) -> by how many paths ``model`` reaches it."""
     paths_to: Dict[int, int] = {}
@@ -557,13 +563,9 @@ def _plan_norms(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], fi
     reader_type = Float8Linear if fp8 else Int8Linear
     kind = "static" if static else "dynamic"
     paths_to = _paths_to(model)
-    planned, known = [], False
-    for layer_name, layer in model.named_modules():
-        readers = _NORM_READERS.get(type(layer).__name__)
-        if readers is None or not type(layer).__module__.startswith("transformers."):
-            continue
-        known = True
-        applies, norms = readers
+    planned = []
+    known = _known_layers(model, _NORM_READERS)
+    for layer_name, layer, (applies, norms) in known:
         for key, paths in norms.items():
             name = f"{layer_name}.{key}" if layer_name else key
             norm = getattr(layer, key, None)
@@ -627,12 +629,9 @@ def _plan_outputs(model: nn.Module, becomes: Dict[int, nn.Module], report: Quant
     quantized by this call, whose output only a static Int8Linear reads (``becomes`` as in ``_plan_norms``); the
     report's ``outputs_skipped`` says why any other is left."""
     paths_to = _paths_to(model)
-    planned, known = [], False
-    for layer_name, layer in model.named_modules():
-        chain = _OUTPUT_READERS.get(type(layer).__name__)
-        if chain is None or not type(layer).__module__.startswith("transformers."):
-            continue
-        known = True
+    planned = []
+    known = _known_layers(model, _OUTPUT_READERS)
+    for layer_name, layer, chain in known:
         first, act, second = chain
         name, reader = (f"{layer_name}.{key}" if layer_name else key for key in (first, second))
         producer, activation, consumer = (getattr(layer, key, None) for key in chain)

@@ -128,6 +128,23 @@ def test_dry_run_writes_results_and_configs(swept, tmp_path):
     assert list(about["runs"]) == [run_id] and about["runs"][run_id]["commit"] == run["commit"]
 
 
+def test_quantized_output_op_is_swept_with_its_baseline_and_int8_only(tmp_path, capsys):
+    # scaled_gemm's fwd-quantout (a static fused fc1): a tuning key of its own, timed against the unfused PyTorch form
+    blocks = [{"kernel": "scaled_gemm", "shapes": [[64, 48, 32]], "dtypes": ["int8"], "layouts": ["linear"],
+               "ops": ["fwd-quantout"]}]
+    (tmp_path / "grid.json").write_text(json.dumps(blocks))
+    out = tmp_path / "tune.json"
+    assert main(["--dry-run", "--grid", str(tmp_path / "grid.json"), "--out", str(out)]) == 0
+    rows = Results.load(out).rows
+    timed = [r for r in rows if "config" in r]
+    assert {r["product"] for r in timed} == {"int8 fwd-quantout"} and len(timed) == 2
+    assert "'torch.int8', 'torch.int8', 'torch.int8'" in timed[0]["key"]  # a, b and the int8 output
+    assert [r["provider"] for r in rows if "config" not in r] == ["torch (CPU)"]
+    blocks[0]["dtypes"] = ["int8", "fp8"]
+    with pytest.raises(grid.GridError, match="op fwd-quantout runs for dtypes \\['int8'\\] only"):
+        grid.problems(blocks, KERNELS)
+
+
 def test_resume_continues_an_interrupted_sweep(tmp_path, monkeypatch, capsys):
     out = tmp_path / "tune.json"
     measured = []

@@ -49,6 +49,9 @@ GRIDS: Dict[str, List[dict]] = {
          "dtypes": ["int8", "fp8"], "layouts": ["linear"], "ops": ["fwd"]},
         {"kernel": "scaled_gemm", "shapes": [(8192, 50272, 2048)], "dtypes": ["int8", "fp8"], "layouts": ["linear"],
          "ops": ["fwd-nobias"]},
+        # the static fused prefill's fc1 (fuse_outputs: fc2's int8 input written in the epilogue)
+        {"kernel": "scaled_gemm", "shapes": [(8192, 8192, 2048)], "dtypes": ["int8"], "layouts": ["linear"],
+         "ops": ["fwd-quantout"]},
     ],
     # a quick look on a GPU (a minute or two)
     "small": [{"shapes": [(4096, 4096, 1024), (8192, 8192, 1024)], "dtypes": ["bf16"], "layouts": ["linear"],
@@ -149,6 +152,10 @@ def problems(blocks, kernels) -> List[Problem]:
         dtypes = _names(block, "dtypes", list(entry.dtypes), where)
         layouts = _names(block, "layouts", list(entry.layouts), where)
         ops = tuple(_names(block, "ops", list(entry.ops), where))
+        for op in ops:  # an op of some dtypes only (scaled_gemm's fwd-quantout: int8)
+            allowed = getattr(entry, "op_dtypes", {}).get(op)
+            if allowed is not None and set(dtypes) - set(allowed):
+                raise GridError(f"{where}: op {op} runs for dtypes {list(allowed)} only, got {dtypes}")
         out += [Problem(name, m, n, k, d, lay, ops) for d in dtypes for lay in layouts for m, n, k in shapes]
     out = list(dict.fromkeys(out))
     groups = list(dict.fromkeys((p.kernel, p.dtype, p.layout) for p in out))

@@ -220,10 +220,13 @@ class MatmulReLU:
 class ScaledGemm:
     """fuselab.quant's GEMM, ``cast(acc * a_scale * b_scale + bias)`` over int8 x int8 -> int32 or fp8 x fp8
     -> fp32 accumulators, as the quantized layers call it (b = weight.t(), one scale per row of a and per
-    column of b, bf16 out): ops ``fwd`` (with bias; the ReLU flag is not in the tuning key) and
-    ``fwd-nobias``. Products are named by dtype (``int8 fwd``), apart from the fused GEMM's in one file."""
+    column of b, bf16 out): ops ``fwd`` (with bias; the ReLU flag is not in the tuning key), ``fwd-nobias`` and
+    ``fwd-quantout`` (int8: with bias and ReLU, the output quantized with a static scale, as a statically quantized
+    OPT's fc1 writes fc2's input). Products are named by dtype (``int8 fwd``), apart from the fused GEMM's in one
+    file."""
     name = "scaled_gemm"
-    ops = ("fwd", "fwd-nobias")
+    ops = ("fwd", "fwd-nobias", "fwd-quantout")
+    op_dtypes = {"fwd-quantout": ("int8",)}  # fp8 has no quantized output
     dtypes = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
     layouts = {"linear": "b = weight.t(), the (N, K) quantized weight row-major, as the quantized layers"}
     benchmark_shapes = QUANT_BENCHMARK_SHAPES  # experiments/bench_quant.py's
@@ -247,11 +250,15 @@ class ScaledGemm:
             return fill(n, dtype=torch.float32, device=device).abs().add(1e-3)
 
         return {"a": quantized(M, K), "b": quantized(N, K).t(), "a_scale": scale(M), "b_scale": scale(N),
-                "bias": fill(N, dtype=torch.bfloat16, device=device)}
+                "bias": fill(N, dtype=torch.bfloat16, device=device), "out_scale": scale(1).reshape(())}
 
     def call(self, op: str, t: dict) -> None:
         from fuselab.quant import fp8_matmul, int8_matmul
 
+        if op == "fwd-quantout":  # int8 only: the grid refuses others
+            int8_matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"], True, torch.bfloat16,
+                        out_scale=t["out_scale"], backend="triton")
+            return
         matmul = int8_matmul if t["a"].dtype == torch.int8 else fp8_matmul
         matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"] if op == "fwd" else None, False, torch.bfloat16,
                backend="triton")
@@ -274,13 +281,16 @@ class ScaledGemm:
         named = dict(zip(launch.tuner.arg_names, launch.args))
         a, b, c = named["a_ptr"], named["b_ptr"], named["c_ptr"]
         a_scale, b_scale, bias = named["a_scale_ptr"], named["b_scale_ptr"], named["bias_ptr"]
+        out_scale = named.get("out_scale_ptr")
+        out_dtype = c.dtype if out_scale is None else torch.bfloat16  # fwd-quantout's layer dtype
         int8 = a.dtype == torch.int8
         if not a.is_cuda:
             matmul = int8_matmul if int8 else fp8_matmul
-            return "torch (CPU)", lambda: matmul(a, b, a_scale, b_scale, bias, False, c.dtype, backend="torch")
+            return "torch (CPU)", lambda: matmul(a, b, a_scale, b_scale, bias, out_scale is not None, out_dtype,
+                                                 backend="torch", **({"out_scale": out_scale} if int8 else {}))
         if int8:
-            return "_int_mm + epilogue", lambda: torch_epilogue(torch._int_mm(a, b), a_scale, b_scale, bias, False,
-                                                                c.dtype)
+            return "_int_mm + epilogue", lambda: torch_epilogue(torch._int_mm(a, b), a_scale, b_scale, bias,
+                                                                out_scale is not None, out_dtype, out_scale)
         return "_scaled_mm", lambda: torch._scaled_mm(a, b, scale_a=a_scale[:, None], scale_b=b_scale[None, :],
                                                       bias=bias, out_dtype=c.dtype)
 

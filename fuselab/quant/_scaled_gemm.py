@@ -269,7 +269,7 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
     N = b.shape[1]
     if M == 0 or N == 0:
         return
-    if out_scale is not None and out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if out_scale is not None and out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"scaled_gemm: out_scale quantizes the result cast to out_dtype (float32, float16 or "
                          f"bfloat16), got out_dtype={out_dtype}")
     out_dtype = c.dtype if out_scale is None else out_dtype

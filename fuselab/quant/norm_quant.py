@@ -200,7 +200,7 @@ class QuantizedRows(torch.Tensor):
     the float values, holding only their rows quantized (``qdata``: int8 or float8_e4m3fn, same shape) with one fp32
     scale each (``scale``, shape[:-1]) or one for all (0-d: a static reader's act_scale, made for ``readers``, the
     static layers whose scale it was found equal to). Fuselab's quantized linears take it as their quantized input
-    (``check_reader``); any other op raises (there are no float values to give)."""
+    (``unwrap`` checks the reader); any other op raises (there are no float values to give)."""
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, readers: Tuple[nn.Module, ...] = ()):

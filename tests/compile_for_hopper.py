@@ -166,9 +166,11 @@ def group_rowwise():
                                    (False, False, False, 768), (False, False, True, 9216),
                                    (False, False, True, 1)):  # K = 1: Triton makes it a constexpr
         x, w = torch.empty(64, K, dtype=torch.bfloat16), torch.empty(K, dtype=torch.bfloat16) if affine else None
-        q = torch.empty(64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
-        for launch in record_plain(norm_quant, lambda: norm_quant._layer_norm_quantize(x, w, w, 1e-5, q,
-                                                                                         torch.empty(64), static)):
+        readers = 3 if static else 1  # static: a row copy for each of q, k and v
+        q = torch.empty(*([readers] if static else []), 64, K, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
+        scales = [torch.empty(()) for _ in range(readers)] if static else [torch.empty(64)]
+        for launch in record_plain(norm_quant, lambda: norm_quant._layer_norm_quantize(x, w, w, 1e-5, q, scales,
+                                                                                         static)):
             yield f"layer_norm_quantize_rows fp8={fp8} static={static} affine={affine} K={K}", launch, launch.config, {}
 
 

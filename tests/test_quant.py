@@ -536,7 +536,7 @@ def test_quantized_output_and_static_norm_compile_and_export():
 
     def fn(a, x, s):
         return int8_matmul(a, b, a_scale, b_scale, None, True, torch.bfloat16, out_scale=s), \
-            layer_norm_quantize_static(x, w, bias, 1e-5, s)
+            layer_norm_quantize_static(x, w, bias, 1e-5, [s, s * 2])
 
     eager = fn(a, x, s)
     torch._dynamo.reset()

@@ -80,8 +80,8 @@ class Int8StaticActivationInt8WeightConfig:
     Two fusions save the quantization passes between layers, each handing on the int8 values the next layer would
     make itself (``fuse_outputs`` bit for bit; ``fuse_norms``' fp32 layer norm can move a value one step where the
     dtype's last bit decides its rounding, as the dynamic config's). ``fuse_norms=True``: a decoder layer's
-    LayerNorm whose output only static int8 linears of one act_scale read (OPT's q, k, v; fc1) quantizes its rows
-    with that scale as it makes them (``QuantizedLayerNorm``). ``fuse_outputs=True``: a linear whose output only a
+    LayerNorm whose output only static int8 linears read (OPT's q, k, v; fc1) quantizes its rows as it makes them,
+    a copy with each reader's act_scale (``QuantizedLayerNorm``). ``fuse_outputs=True``: a linear whose output only a
     static int8 linear reads (OPT's fc1, its ReLU fused by ``fuse_linear_relu`` first, read by fc2) quantizes it
     with the reader's act_scale in its GEMM's epilogue and writes one byte a value."""
 

@@ -213,7 +213,9 @@ class Int8Linear(_QuantizedLinear):
             out_scale = None
         y = int8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype,
                         out_scale=out_scale)
-        return QuantizedRows(y, out_scale, out_dtype) if out_scale is not None else self._inference_only(y, x)
+        if out_scale is None:
+            return self._inference_only(y, x)
+        return QuantizedRows(y[None], None, out_dtype, self._output_reader)  # quantized for its one reader
 
 
 class Float8Linear(_QuantizedLinear):

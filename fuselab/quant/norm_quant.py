@@ -12,8 +12,8 @@ fuselab's quantized linears (``Int8Linear``, ``Float8Linear``) take as their qua
 use raises a RuntimeError naming it: no float copy is kept, so nothing can go stale or be read in place of the
 norm's values. ``quantize_(model, config)`` with ``fuse_norms=True`` makes these where a decoder layer's norm
 feeds only quantized linears (transformers' OPT with the norm first, GPT-2); the report lists them. With static
-activations (``layer_norm_quantize_static``) every row is quantized with the one calibrated scale its readers
-share.
+activations (``layer_norm_quantize_static``) each row is written once per reader (up to three: q, k and v),
+quantized with that reader's calibrated scale: one read, a one-byte copy each, the values each reader would make.
 
 The layer norm is fp32 math (mean, then the variance of the centered row; IEEE division and square root), so a
 row's values can differ from PyTorch's kernel in the last bit of the model's dtype, and a quantized value by one
@@ -22,7 +22,7 @@ step where that bit decides its rounding. PyTorch's path (a CPU without the inte
 wanted, autocast, a traced or compiled call, forward-mode AD, another dtype for the norm's parameters), the
 module returns ``F.layer_norm``'s output and the linears quantize it themselves (torch.jit.trace too).
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,7 @@ from fuselab.quant.rowwise import (
 )
 
 MAX_K = 16384  # a row is normalized and quantized in registers, in one block
+MAX_STATIC_READERS = 3  # static scales one pass quantizes a row with (q, k and v's): a copy of the row each
 
 # ----------------------------------------------------------------------------------------------
 # Kernel
@@ -65,12 +66,13 @@ MAX_K = 16384  # a row is normalized and quantized in registers, in one block
 
 
 @triton.jit
-def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, eps,
-                                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, QMAX: tl.constexpr,
-                                    TINY: tl.constexpr, TO_INT8: tl.constexpr, STATIC: tl.constexpr,
-                                    BLOCK_K: tl.constexpr):
-    """One program per row: its layer norm in fp32, rounded to x's dtype, then its scale (STATIC: the one at
-    scale_ptr) and quantized values."""
+def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, scale1_ptr, scale2_ptr, K, stride_xm,
+                                    stride_qm, stride_qr, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                                    QMAX: tl.constexpr, TINY: tl.constexpr, TO_INT8: tl.constexpr,
+                                    STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row: its layer norm in fp32, rounded to x's dtype, then its scale and quantized values; with
+    STATIC scales (1 to 3, at scale_ptr, scale1_ptr, scale2_ptr) the row quantized with each, the r-th at
+    q_ptr + r * stride_qr."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     inside = offs < K
@@ -86,11 +88,16 @@ def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, st
         y = y + tl.load(b_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     y = cast_rne(y, x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output as nn.LayerNorm returns it
     y = tl.where(inside, y, 0.0)
-    if STATIC:
-        scale = tl.load(scale_ptr)
+    q_row = q_ptr + row * stride_qm + offs
+    if STATIC > 0:
+        tl.store(q_row, _quantize(y, tl.load(scale_ptr), QMAX, TO_INT8), mask=inside)
+        if STATIC > 1:
+            tl.store(q_row + stride_qr, _quantize(y, tl.load(scale1_ptr), QMAX, TO_INT8), mask=inside)
+        if STATIC > 2:
+            tl.store(q_row + 2 * stride_qr, _quantize(y, tl.load(scale2_ptr), QMAX, TO_INT8), mask=inside)
     else:
         scale = _row_scale(tl.abs(y), scale_ptr, row, QMAX, TINY)
-    tl.store(q_ptr + row * stride_qm + offs, _quantize(y, scale, QMAX, TO_INT8), mask=inside)
+        tl.store(q_row, _quantize(y, scale, QMAX, TO_INT8), mask=inside)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,23 +106,25 @@ def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, K, st
 
 
 def _layer_norm_quantize(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
-                         q: torch.Tensor, scale: torch.Tensor, static: bool) -> None:
-    """Rows of 2-D ``x`` (unit stride along K) normalized and quantized into ``q``, their scales into ``scale``
-    (``static``: with the one scale there)."""
+                         q: torch.Tensor, scales: List[torch.Tensor], static: bool) -> None:
+    """Rows of 2-D ``x`` (unit stride along K) normalized and quantized into ``q`` (M, K), their scales into
+    ``scales[0]``; ``static``: into ``q`` (len(scales), M, K) with each of the scales."""
     M, K = x.shape
     if M == 0:
         return
     plan_key = None
-    tensors = tuple(t for t in (x, weight, bias, q, scale) if t is not None)
+    tensors = tuple(t for t in (x, weight, bias, q, *scales) if t is not None)
     if not INTERPRET and untraced(*tensors):  # a layer's repeated eager call skips the rest
-        plan_key = ("layer_norm_quantize_rows", x.get_device(), eps, static, weight is None, bias is None,
-                    *(plan_layout(t) for t in tensors))
+        plan_key = ("layer_norm_quantize_rows", x.get_device(), eps, static, len(scales), weight is None,
+                    bias is None, *(plan_layout(t) for t in tensors))
         if launch_planned(plan_key, *tensors):
             return
     to_int8 = q.dtype == torch.int8
-    launch(layer_norm_quantize_rows_kernel, (M,), x, weight, bias, q, scale, K, x.stride(0), q.stride(0), eps,
-           HAS_W=weight is not None, HAS_B=bias is not None, QMAX=float(INT8_QMAX if to_int8 else FP8_MAX), TINY=_TINY,
-           TO_INT8=to_int8, STATIC=static, BLOCK_K=max(16, triton.next_power_of_2(K)),
+    scale, scale1, scale2 = (list(scales) + [None, None])[:3]
+    launch(layer_norm_quantize_rows_kernel, (M,), x, weight, bias, q, scale, scale1, scale2, K, x.stride(0),
+           q.stride(-2), q.stride(0) if static else 0, eps, HAS_W=weight is not None, HAS_B=bias is not None,
+           QMAX=float(INT8_QMAX if to_int8 else FP8_MAX), TINY=_TINY, TO_INT8=to_int8,
+           STATIC=len(scales) if static else 0, BLOCK_K=max(16, triton.next_power_of_2(K)),
            num_warps=4 if K <= 1024 else 8 if K <= 4096 else 16, plan_key=plan_key)
 
 
@@ -137,9 +146,10 @@ def _fake(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.
     return q, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
 
 
-def _run_kernel(x, weight, bias, eps, q, scale, static: bool) -> None:
+def _run_kernel(x, weight, bias, eps, q, scales: List[torch.Tensor], static: bool) -> None:
     weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))  # the kernel reads unit strides
-    _layer_norm_quantize(_rows(x), weight, bias, eps, q.view(-1, x.shape[-1]), scale.view(-1), static)
+    rows = q.view(len(scales), -1, x.shape[-1]) if static else q.view(-1, x.shape[-1])
+    _layer_norm_quantize(_rows(x), weight, bias, eps, rows, [s.view(-1) for s in scales], static)
 
 
 def _op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
@@ -147,23 +157,27 @@ def _op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Te
     q, scale = _fake(x, weight, bias, eps, fp8)
     if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
         return _torch_rowwise(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), fp8)
-    _run_kernel(x, weight, bias, eps, q, scale, static=False)
+    _run_kernel(x, weight, bias, eps, q, [scale], static=False)
     return q, scale
 
 
 def _static_fake(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
-                 scale: torch.Tensor) -> torch.Tensor:
+                 scales: List[torch.Tensor]) -> torch.Tensor:
     _check_norm("layer_norm_quantize_static", x, weight, bias)
-    check_static_scale("layer_norm_quantize_static", "scale", scale, x.device)
-    return torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    if not 0 < len(scales) <= MAX_STATIC_READERS:
+        raise ValueError(f"layer_norm_quantize_static takes 1 to {MAX_STATIC_READERS} scales, got {len(scales)}")
+    for i, scale in enumerate(scales):
+        check_static_scale("layer_norm_quantize_static", f"scales[{i}]", scale, x.device)
+    return torch.empty((len(scales), *x.shape), dtype=torch.int8, device=x.device)
 
 
 def _static_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
-               scale: torch.Tensor) -> torch.Tensor:
-    q = _static_fake(x, weight, bias, eps, scale)
+               scales: List[torch.Tensor]) -> torch.Tensor:
+    q = _static_fake(x, weight, bias, eps, scales)
     if not _runs_triton(x):  # PyTorch's ops: the unfused norm and quantization, exactly
-        return _torch_static(F.layer_norm(x, (x.shape[-1],), weight, bias, eps), scale)
-    _run_kernel(x, weight, bias, eps, q, scale, static=True)
+        normed = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        return torch.stack([_torch_static(normed, scale) for scale in scales])
+    _run_kernel(x, weight, bias, eps, q, scales, static=True)
     return q
 
 
@@ -182,12 +196,13 @@ def layer_norm_quantize_rows(x: torch.Tensor, weight: Optional[torch.Tensor], bi
 
 
 def layer_norm_quantize_static(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                               eps: float, scale: torch.Tensor) -> torch.Tensor:
-    """``quantize_int8_static(F.layer_norm(x, (K,), weight, bias, eps), scale)`` in one pass: int8 with the one
-    float32 ``scale`` (a calibrated per-tensor scale). Arguments as ``layer_norm_quantize_rows``'."""
+                               eps: float, scales: List[torch.Tensor]) -> torch.Tensor:
+    """``stack([quantize_int8_static(F.layer_norm(x, (K,), weight, bias, eps), s) for s in scales])`` in one pass:
+    int8, (len(scales), *x.shape), the row quantized with each float32 scale (1 to MAX_STATIC_READERS calibrated
+    per-tensor scales: one per layer that reads it). Other arguments as ``layer_norm_quantize_rows``'."""
     return call_untraced(torch.ops.fuselab.layer_norm_quantize_static, _static_op, x.detach(),
                          None if weight is None else weight.detach(), None if bias is None else bias.detach(),
-                         float(eps), scale)
+                         float(eps), list(scales))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,16 +212,19 @@ def layer_norm_quantize_static(x: torch.Tensor, weight: Optional[torch.Tensor], 
 
 class QuantizedRows(torch.Tensor):
     """A ``QuantizedLayerNorm``'s output (or a quantized linear's, where a static layer reads it): shape and dtype of
-    the float values, holding only their rows quantized (``qdata``: int8 or float8_e4m3fn, same shape) with one fp32
-    scale each (``scale``, shape[:-1]) or one for all (0-d: a static reader's act_scale, made for ``readers``, the
-    static layers whose scale it was found equal to). Fuselab's quantized linears take it as their quantized input
-    (``unwrap`` checks the reader); any other op raises (there are no float values to give)."""
+    the float values, holding only their rows quantized. Dynamic: ``qdata`` (int8 or float8_e4m3fn, same shape) with
+    one fp32 scale per row (``scale``, shape[:-1]). Static: ``qdata`` (len(readers), *shape), the r-th the rows
+    quantized with ``readers[r]``'s act_scale for that layer alone (``scale`` None). Fuselab's quantized linears take
+    it as their quantized input (``unwrap`` checks the reader); any other op raises (there are no float values to
+    give)."""
 
     @staticmethod
-    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, readers: Tuple[nn.Module, ...] = ()):
-        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype, device=qdata.device)
+    def __new__(cls, qdata: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype,
+                readers: Tuple[nn.Module, ...] = ()):
+        shape = qdata.shape[1:] if readers else qdata.shape
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=qdata.device)
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+    def __init__(self, qdata: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype,
                  readers: Tuple[nn.Module, ...] = ()):
         self.qdata, self.scale, self.readers = qdata, scale, readers
 
@@ -220,25 +238,28 @@ class QuantizedRows(torch.Tensor):
                            "them; the model, or a hook, uses that output otherwise: quantize without those options")
 
     def __repr__(self) -> str:
+        scales = f"quantized for {len(self.readers)} static layer(s)" if self.readers else "a scale per row"
         return (f"QuantizedRows(shape={tuple(self.shape)}, {self.qdata.dtype} rows standing for {self.dtype}, "
-                f"{'one static scale' if self.scale.dim() == 0 else 'a scale per row'}, device={self.device})")
+                f"{scales}, device={self.device})")
 
     def unwrap(self, fp8: bool, layer: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(qdata, scale)`` for the quantized linear ``layer`` of ``fp8`` (else int8) inputs: a dynamic layer takes
-        rows with a scale each, a static one (with an act_scale) rows quantized with its own scale; else TypeError
-        naming it (the rows would be read with a scale the layer does not use: a model wired or copied apart from
-        what quantize_ planned)."""
+        rows with a scale per row, a static one (with an act_scale) the rows quantized for it with that scale; else
+        TypeError naming it (a model wired or copied apart from what quantize_ planned)."""
         name = type(layer).__name__
         if (self.qdata.dtype == FP8_DTYPE) != fp8:
             raise TypeError(f"{name} takes {'fp8' if fp8 else 'int8'} activations, got {self.qdata.dtype} rows")
         own = getattr(layer, "act_scale", None)
-        if (own is None) != (self.scale.dim() != 0):
-            raise TypeError(f"a {'dynamic' if own is None else 'static'} {name} got rows quantized "
-                            f"{'with one static scale' if own is None else 'with a scale per row'}")
-        if own is not None and self.scale is not own and not any(layer is r for r in self.readers):
-            raise TypeError(f"a static {name} got rows quantized with another layer's act_scale (its producer was "
-                            "made for another reader: a layer copied or replaced after quantize_?)")
-        return self.qdata, self.scale
+        if not self.readers:
+            if own is not None:
+                raise TypeError(f"a static {name} got rows quantized with a scale per row (a dynamic layer's input)")
+            return self.qdata, self.scale
+        index = next((i for i, reader in enumerate(self.readers) if reader is layer), None)
+        if index is None:
+            kind = "a dynamic" if own is None else "another static"
+            raise TypeError(f"{kind} {name} got rows quantized for other static layers (their producer was made for "
+                            "them: a layer copied or replaced after quantize_?)")
+        return self.qdata[index], own
 
 
 def quantized_rows_wanted(x: torch.Tensor, params=()) -> bool:
@@ -273,13 +294,12 @@ def static_scale_of(reader: nn.Module) -> torch.Tensor:
 
 class QuantizedLayerNorm(nn.Module):
     """``nn.LayerNorm`` over the last dimension whose output is its rows quantized (int8, or fp8 with ``fp8``), each
-    with its own scale, or, given static ``readers`` (Int8Linears with an act_scale), all with their one act_scale,
-    read at each call, for quantized linears to read (see the module's docstring); its ``weight`` and ``bias`` are
-    the float norm's (the same state-dict keys). Inference only: where the fused form cannot serve a call (and
-    where the readers' scales are no longer equal) it returns the float norm's output."""
+    with its own scale, or, given static ``readers`` (1 to MAX_STATIC_READERS Int8Linears with an act_scale), with
+    each reader's act_scale (read at each call) for that reader, for quantized linears to read (see the module's
+    docstring); its ``weight`` and ``bias`` are the float norm's (the same state-dict keys). Inference only: where
+    the fused form cannot serve a call it returns the float norm's output."""
 
     _static_readers: Tuple[nn.Module, ...] = ()  # a tuple: not submodules of the norm (a class default: old pickles)
-    _checked: Tuple[tuple, bool] = ((), False)  # the readers' scale tensors and versions last compared, and the result
 
     def __init__(self, norm: nn.LayerNorm, fp8: bool = False, readers: Tuple[nn.Module, ...] = ()):
         super().__init__()
@@ -290,6 +310,8 @@ class QuantizedLayerNorm(nn.Module):
             static_scale_of(reader)
         if fp8 and readers:
             raise ValueError("QuantizedLayerNorm: static readers' scale quantizes to int8, not fp8")
+        if len(readers) > MAX_STATIC_READERS:
+            raise ValueError(f"QuantizedLayerNorm: at most {MAX_STATIC_READERS} static readers, got {len(readers)}")
         self.normalized_shape, self.eps, self.fp8 = tuple(norm.normalized_shape), norm.eps, fp8
         self.weight, self.bias = norm.weight, norm.bias
         self._static_readers = tuple(readers)
@@ -300,22 +322,10 @@ class QuantizedLayerNorm(nn.Module):
             if not self._static_readers:
                 return QuantizedRows(*layer_norm_quantize_rows(x, self.weight, self.bias, self.eps, self.fp8),
                                      x.dtype)
-            scale = self._shared_scale()
-            if scale is not None:
-                return QuantizedRows(layer_norm_quantize_static(x, self.weight, self.bias, self.eps, scale), scale,
-                                     x.dtype, self._static_readers)
+            scales = [static_scale_of(r) for r in self._static_readers]
+            return QuantizedRows(layer_norm_quantize_static(x, self.weight, self.bias, self.eps, scales), None,
+                                 x.dtype, self._static_readers)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-
-    def _shared_scale(self) -> Optional[torch.Tensor]:
-        """The readers' act_scale if they are all equal (compared once per change of a scale tensor or its version:
-        a load or an edit in place), else None: each reader then quantizes the float output with its own."""
-        scales = tuple(static_scale_of(r) for r in self._static_readers)
-        state = tuple((s, s._version) for s in scales)  # the tensors held: an id cannot be reused meanwhile
-        seen, equal = self._checked
-        if len(seen) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(seen, state)):
-            equal = all(torch.equal(scales[0], s) for s in scales[1:])  # one host sync a change
-            self._checked = (state, equal)
-        return scales[0] if equal else None
 
     def _fused_applies(self, x: torch.Tensor) -> bool:
         params = [p for p in (self.weight, self.bias) if p is not None]
@@ -325,5 +335,5 @@ class QuantizedLayerNorm(nn.Module):
                 and all(static_scale_of(r).device == x.device for r in self._static_readers))
 
     def extra_repr(self) -> str:
-        rows = "fp8" if self.fp8 else "int8, its readers' static scale" if self._static_readers else "int8"
+        rows = "fp8" if self.fp8 else "int8, each static reader's scale" if self._static_readers else "int8"
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}, rows={rows}"

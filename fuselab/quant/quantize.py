@@ -44,7 +44,7 @@ from fuselab.quant.config import (
 from fuselab.quant.fp8_gemm import check_fp8_device
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
 from fuselab.quant.modules import QUANTIZED_LAYERS, Float8Linear, Int8Conv2d, Int8Linear, why_not_int8_conv2d
-from fuselab.quant.norm_quant import QuantizedLayerNorm, why_not_fused_norm
+from fuselab.quant.norm_quant import MAX_STATIC_READERS, QuantizedLayerNorm, why_not_fused_norm
 from fuselab.quant.rowwise import INT8_QMAX
 
 # ----------------------------------------------------------------------------------------------
@@ -556,8 +556,8 @@ def _plan_norms(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], fi
                 report: QuantizationReport) -> list:
     """``fuse_norms``: the (layer, key, name, QuantizedLayerNorm, reader paths) of each known decoder layer's norm
     whose readers will all be quantized linears of this config that read its rows (``becomes``: id of a layer ->
-    what this call replaces it with): dynamic ones, or static ones of one act_scale, which the norm then quantizes
-    with; the report's ``norms_skipped`` says why any other is left."""
+    what this call replaces it with): dynamic ones, or up to MAX_STATIC_READERS static ones, for each of which the
+    norm writes a copy quantized with its act_scale; the report's ``norms_skipped`` says why any other is left."""
     fp8 = isinstance(config, Float8RowwiseConfig)
     static = isinstance(config, Int8StaticActivationInt8WeightConfig)
     reader_type = Float8Linear if fp8 else Int8Linear
@@ -586,10 +586,8 @@ def _plan_norms(model: nn.Module, config: Any, becomes: Dict[int, nn.Module], fi
                            "otherwise): only those read these quantized rows")
             if why is None:
                 why = _hooked_on_the_way(layer, paths)
-            if why is None and static:  # the readers' own scales (a model quantized before keeps its own)
-                scales = {p: float(m.act_scale) for p, m in zip(paths, after)}
-                if len(set(scales.values())) > 1:
-                    why = f"its readers' act_scales differ ({scales}): one quantization cannot serve them"
+            if why is None and static and len(paths) > MAX_STATIC_READERS:
+                why = f"{len(paths)} static readers: one pass quantizes for at most {MAX_STATIC_READERS}"
             if why is None and filter_fn is not None and not filter_fn(norm, name):
                 why = "vetoed by filter_fn"
             if why is not None:

@@ -148,8 +148,10 @@ def _fake(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.
 
 def _run_kernel(x, weight, bias, eps, q, scales: List[torch.Tensor], static: bool) -> None:
     weight, bias = (None if t is None else t.contiguous() for t in (weight, bias))  # the kernel reads unit strides
-    rows = q.view(len(scales), -1, x.shape[-1]) if static else q.view(-1, x.shape[-1])
-    _layer_norm_quantize(_rows(x), weight, bias, eps, rows, [s.view(-1) for s in scales], static)
+    if static:  # one-value scales, read as they are
+        _layer_norm_quantize(_rows(x), weight, bias, eps, q.view(len(scales), -1, x.shape[-1]), scales, True)
+    else:  # the per-row scales, written flat
+        _layer_norm_quantize(_rows(x), weight, bias, eps, q.view(-1, x.shape[-1]), [scales[0].view(-1)], False)
 
 
 def _op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,

@@ -116,6 +116,11 @@ def test_static_kernel_quantizes_with_each_scale(device, dtype):
             want = _torch_static(normed, s)
             assert (got == want).float().mean() > 0.99 and (got.int() - want.int()).abs().max() <= 1
     assert (q[1].abs() == 127).float().mean() > 0.01 and (q[0].abs() == 127).float().mean() < 0.01
+    # each reader's copy multiplies by its scale's fp32 reciprocal (quantize_int8_static's formula): a zero weight
+    # leaves the bias, 0.375, and 0.375 * fp32(1 / 0.03) = 12.500001 is 13 (the quotient 12.5 would round to 12)
+    half_step = layer_norm_quantize_static(x, torch.zeros_like(w), torch.full_like(b, 0.375), 1e-5,
+                                           [torch.tensor(v, device=device) for v in (0.02, 0.005, 0.03)])
+    assert (half_step[2] == 13).all() and (half_step[1] == 75).all()
 
 
 def test_static_op_checks_its_scale_and_pytorchs_path_is_the_unfused_layers(monkeypatch):

@@ -260,6 +260,15 @@ def test_a_quantized_output_is_the_float_outputs_static_quantization(device, out
     for backend in ("auto", "torch"):  # one value in more dimensions: still (M, N) on every path
         assert torch.equal(int8_matmul(a, b, a_scale, b_scale, bias, True, out_dtype, out_scale=out_scale.view(1, 1, 1),
                                        backend=backend), q)
+    # static quantization multiplies by the scale's fp32 reciprocal: 0.375 * fp32(1 / 0.03) = 12.500001 (13), where
+    # the correctly rounded quotient 0.375 / 0.03 = 12.5 rounds to even (12)
+    a, b = torch.ones(2, 16, dtype=torch.int8, device=device), torch.zeros(16, 3, dtype=torch.int8, device=device)
+    b[0] = 1
+    half_step = torch.full((2,), 0.375, device=device)
+    for backend in ("auto", "torch"):
+        q = int8_matmul(a, b, half_step, torch.ones(3, device=device), None, False, out_dtype,
+                        out_scale=torch.tensor(0.03, device=device), backend=backend)
+        assert (q == 13).all(), (backend, q)
 
 
 def test_a_quantized_output_checks_its_scale():

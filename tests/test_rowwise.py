@@ -74,6 +74,22 @@ def test_halfway_quotients_round_to_even(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_static_scale_multiplies_by_its_reciprocal(device, kernel, monkeypatch):
+    # round(x * fp32(1 / scale)), torchao's formula (what a GEMM epilogue affords), not round(x / scale): at
+    # x = 0.2405, scale = 0.013 the product is 18.5 (to even: 18), the correctly rounded quotient 18.500002 (19).
+    if not kernel:
+        monkeypatch.setattr(rowwise, "_runs_triton", lambda x: False)
+    scale = torch.tensor(0.013, device=device)
+    x = torch.cat([torch.tensor([0.24050001800060272, -0.24050001800060272]), torch.randn(4000) * 2]).to(device)
+    q = quantize_int8_static(x[None], scale)[0]
+    assert q[:2].tolist() == [18, -18]
+    # float64 reference: the fp32 reciprocal, the product of two fp32 exact in float64, then rounded to fp32
+    product = (x.double() * (1 / scale.double()).float().double()).float().double()
+    assert torch.equal(q.long(), product.round().clamp(-127, 127).long())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_rounding_that_carries_into_the_exponent(device):
     # quotients just below a power of two round up to it (the step doubles there), and the largest
     # finite value is never exceeded.

@@ -38,7 +38,7 @@ from fuselab.kernels._runtime import (
     plan_layout,
     untraced,
 )
-from fuselab.quant.rowwise import INT8_QMAX, _quantize, _torch_static, check_static_scale
+from fuselab.quant.rowwise import INT8_QMAX, _quantize_static, _torch_static, check_static_scale
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs
@@ -239,7 +239,7 @@ def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, rm, rn, st
         out = tl.where(out < 0, 0.0, out)  # not maximum(): NaN must propagate, as in torch.relu
     out = cast_rne(out, OUT_DTYPE)  # the float layer's output, as its dtype holds it
     if QUANT_OUT:  # as quantize_static quantizes that output: the same bits
-        out = _quantize(out.to(tl.float32), tl.load(out_scale_ptr), _INT8_QMAX, True)
+        out = _quantize_static(out.to(tl.float32), tl.load(out_scale_ptr), _INT8_QMAX)
     return out
 
 

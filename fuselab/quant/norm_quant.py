@@ -49,6 +49,7 @@ from fuselab.quant.rowwise import (
     INT8_QMAX,
     _check,
     _quantize,
+    _quantize_static,
     _row_scale,
     _rows,
     _runs_triton,
@@ -90,11 +91,11 @@ def layer_norm_quantize_rows_kernel(x_ptr, w_ptr, b_ptr, q_ptr, scale_ptr, scale
     y = tl.where(inside, y, 0.0)
     q_row = q_ptr + row * stride_qm + offs
     if STATIC > 0:
-        tl.store(q_row, _quantize(y, tl.load(scale_ptr), QMAX, TO_INT8), mask=inside)
+        tl.store(q_row, _quantize_static(y, tl.load(scale_ptr), QMAX), mask=inside)
         if STATIC > 1:
-            tl.store(q_row + stride_qr, _quantize(y, tl.load(scale1_ptr), QMAX, TO_INT8), mask=inside)
+            tl.store(q_row + stride_qr, _quantize_static(y, tl.load(scale1_ptr), QMAX), mask=inside)
         if STATIC > 2:
-            tl.store(q_row + 2 * stride_qr, _quantize(y, tl.load(scale2_ptr), QMAX, TO_INT8), mask=inside)
+            tl.store(q_row + 2 * stride_qr, _quantize_static(y, tl.load(scale2_ptr), QMAX), mask=inside)
     else:
         scale = _row_scale(tl.abs(y), scale_ptr, row, QMAX, TINY)
         tl.store(q_row, _quantize(y, scale, QMAX, TO_INT8), mask=inside)

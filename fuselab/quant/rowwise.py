@@ -1,7 +1,7 @@
 """Symmetric per-row quantization in one pass: ``torch.ops.fuselab.quantize_rows``.
 
     q = cast(clamp(x / scale, -QMAX, QMAX)),   scale = max(absmax(row), tiny) / QMAX   (dynamic)
-                                               or one given fp32 scale                   (static)
+    q = round(clamp(x * (1 / scale), -127, 127)),   one given fp32 scale                 (static, int8)
 
 int8 rounds half to even (as ``torch.round``), fp8 e4m3 is cast round-to-nearest-even after the
 clamp (e4m3fn has no infinity: a quotient past 448 would become NaN). A quantized layer quantizes its
@@ -11,7 +11,10 @@ once where it fits one block (K <= 4096 or 7168 < K <= 8192; else twice, the sec
 writes the 1-byte values and the scale once.
 
 Where it runs: the Triton kernel on CUDA and in the interpreter; PyTorch's ops elsewhere, with the
-same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits.
+same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits. A static
+scale's reciprocal is rounded to fp32 once and each value multiplied by it (torchao's formula): a quotient within
+an ulp of a half step can round to the other neighbour than the correctly rounded division would. The division
+is free in a memory-bound pass, but not where a GEMM's epilogue quantizes its output.
 A row holding NaN gets a NaN scale, one holding inf an inf scale, and a NaN quotient (NaN, or inf over an
 inf scale) quantizes to 0: such a row's values are all +-0 (its finite values over that scale are +-0 too),
 so a quantized layer's output row is NaN (scale x accumulator), never finite or an infinity of either sign
@@ -64,7 +67,7 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, QMAX:
         scale = _row_scale(tl.abs(x), scale_ptr, row, QMAX, TINY)
         tl.store(q_row + offs, _quantize(x, scale, QMAX, TO_INT8), mask=offs < K)
     else:
-        if STATIC:
+        if STATIC:  # int8
             scale = tl.load(scale_ptr)
         else:
             amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -76,7 +79,11 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, QMAX:
         for k in range(0, K, BLOCK_K):
             offs = k + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            tl.store(q_row + offs, _quantize(x, scale, QMAX, TO_INT8), mask=offs < K)
+            if STATIC:
+                q = _quantize_static(x, scale, QMAX)
+            else:
+                q = _quantize(x, scale, QMAX, TO_INT8)
+            tl.store(q_row + offs, q, mask=offs < K)
 
 
 @triton.jit
@@ -92,8 +99,19 @@ def _row_scale(amax, scale_ptr, row, QMAX: tl.constexpr, TINY: tl.constexpr):
 
 @triton.jit
 def _quantize(x, scale, QMAX: tl.constexpr, TO_INT8: tl.constexpr):
-    # x / scale, clamped and rounded to int8 or e4m3.
-    v = tl.math.div_rn(x, scale)
+    # x / scale (correctly rounded), clamped and rounded to int8 or e4m3: a dynamic scale.
+    return _to_grid(tl.math.div_rn(x, scale), QMAX, TO_INT8)
+
+
+@triton.jit
+def _quantize_static(x, scale, QMAX: tl.constexpr):
+    # x times the scale's reciprocal (rounded once), clamped and rounded to int8: a division a value doubled the
+    # time of an int8 GEMM whose epilogue quantizes its output (H100, docs/notes/profiles.md).
+    return _to_grid(x * tl.math.div_rn(1.0, scale), QMAX, True)
+
+
+@triton.jit
+def _to_grid(v, QMAX: tl.constexpr, TO_INT8: tl.constexpr):
     # clamp, then round: the same as round, then clamp. A NaN quotient (NaN, or inf over an inf scale) becomes 0,
     # as in _nan_quotients_to_zero, not the clamp's -QMAX (Triton's min and max drop NaN operands).
     v = tl.where(v != v, 0.0, tl.minimum(tl.maximum(v, -QMAX), QMAX))
@@ -184,7 +202,8 @@ def _torch_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``quantize_static`` by PyTorch's ops (``scale`` may be any shape that broadcasts; one value of any shape
     keeps x's: a (1, 1) scale must not broadcast x to more dimensions)."""
     scale = scale.reshape(()) if scale.numel() == 1 else scale
-    return _nan_quotients_to_zero(x.to(torch.float32) / scale).round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    quotient = _nan_quotients_to_zero(x.to(torch.float32) * scale.reciprocal())  # as _quantize_static
+    return quotient.round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
 
 
 def _rows_fake(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -242,8 +261,9 @@ def quantize_int8_rowwise(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``round(x / scale)`` clamped to [-127, 127], as int8; ``scale`` broadcasts against ``x``
-    (a calibrated per-tensor scale clips values beyond the calibrated range)."""
+    """``round(x * (1 / scale))`` clamped to [-127, 127], as int8 (the reciprocal rounded to fp32 once, as
+    torchao's quantize_affine); ``scale`` broadcasts against ``x`` (a calibrated per-tensor scale clips values
+    beyond the calibrated range)."""
     if scale.numel() == 1 and scale.dtype == torch.float32 and scale.device == x.device:
         return call_untraced(torch.ops.fuselab.quantize_static, _static_op, x.detach(), scale)
     return _torch_static(x.detach(), scale)  # a scale per row (or of another dtype): PyTorch's ops

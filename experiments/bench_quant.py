@@ -78,6 +78,7 @@ from experiments.harness import (
     require_cuda,
     rotating,
     shape_dims,
+    step_diagnosis,
     time_alternating,
     time_call,
     tuned_choice,
@@ -468,6 +469,8 @@ def measure_prefill(results: Results, size: str, tokens: Tuple[int, int], args, 
         try:
             step, _ = prepared(providers[name], stock)
             table = kernel_table(step, steps=2)
+            # the wall time against the GPU's: idle time means the host (or a wait for the GPU) set the pace
+            table = f"{step_diagnosis(step, steps=3)}\n{table}"
         except Exception as e:  # noqa: BLE001
             table = f"(no profile: {type(e).__name__}: {e})"
         finally:
@@ -545,7 +548,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=parse_tokens, default=(8, 1024), help="prefill BATCHxSEQ (default 8x1024)")
     p.add_argument("--rep-ms", type=positive_int, default=100, help="milliseconds of timed calls per measurement")
     p.add_argument("--profile", action="store_true",
-                   help="prefill: also print each provider's top GPU kernels per forward (torch.profiler)")
+                   help="prefill: also print each provider's top GPU kernels per forward (torch.profiler), its "
+                        "GPU busy and idle time, synchronizing calls and cudaMalloc calls")
     p.add_argument("--budget-min", type=positive_float, default=None,
                    help="start no new shape or model after this many minutes (what ran is saved)")
     add_output_args(p)

@@ -460,6 +460,23 @@ def synchronizing_calls(step, stacks: bool = False):
     return len(found), found
 
 
+def step_diagnosis(step: Callable[[], object], steps: int = 20) -> str:
+    """Why an eager call of ``step`` takes what it takes, as a line: the GPU's busy and idle time in a profiled
+    call, the calls that wait for the GPU, and the allocator's cudaMalloc calls a call (each can stall the host)."""
+    busy, idle, gaps = gpu_timeline(step, steps=5)
+    syncs, _ = synchronizing_calls(step)
+
+    def device_allocs() -> int:
+        return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+    before = device_allocs()
+    for _ in range(steps):
+        step()
+    sync()
+    allocs = (device_allocs() - before) / steps
+    return f"{timeline_summary(busy, idle, gaps)}; {syncs} synchronizing calls a step; {allocs:g} cudaMalloc a step"
+
+
 def tuned_choice(call: Callable[[], object], kernel_name: str) -> Optional[str]:
     """The autotuner's choice for the launch that ``call`` makes of fuselab's Triton kernel
     ``kernel_name`` (None if none is found). ``call`` runs once with every launch plan forgotten, so it

@@ -54,7 +54,6 @@ from experiments.harness import (
     add_output_args,
     copy_bandwidth_gbs,
     cycle,
-    gpu_timeline,
     kernel_table,
     markdown_table,
     output_path,
@@ -62,10 +61,9 @@ from experiments.harness import (
     peak_memory_mib,
     positive_int,
     require_cuda,
+    step_diagnosis,
     sync,
-    synchronizing_calls,
     time_alternating,
-    timeline_summary,
 )
 from fuselab.optim import SparseAdamW
 
@@ -286,23 +284,6 @@ def training_step(emb: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[
         opt.step()
 
     return train_step
-
-
-def step_diagnosis(step: Callable[[], object], steps: int = 20) -> str:
-    """Why an eager step takes what it takes: the GPU's busy and idle time in a profiled step, the
-    calls that wait for the GPU, and the allocator's cudaMalloc calls a step (each can stall the host)."""
-    busy, idle, gaps = gpu_timeline(step, steps=5)
-    syncs, _ = synchronizing_calls(step)
-
-    def device_allocs() -> int:
-        return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
-
-    before = device_allocs()
-    for _ in range(steps):
-        step()
-    sync()
-    allocs = (device_allocs() - before) / steps
-    return f"{timeline_summary(busy, idle, gaps)}; {syncs} synchronizing calls a step; {allocs:g} cudaMalloc a step"
 
 
 def measure_stream(name: str, rows: int, dim: int, batches: torch.Tensor, results: Results, rep_ms: float,

@@ -915,6 +915,7 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
     events = []  # --profile: every provider timed before any is profiled (a profiler session slows later launches)
     monkeypatch.setattr(bench_quant, "time_call", lambda fn, mode, **kw: events.append("time") or one_call(fn, mode))
     monkeypatch.setattr(bench_quant, "kernel_table", lambda fn, steps: events.append("profile") or "table")
+    monkeypatch.setattr(bench_quant, "step_diagnosis", lambda fn, steps: "GPU busy, idle")
     args.profile = True
     bench_quant.measure_prefill(res, "tiny", (1, 8), args, device="cpu")
     assert events == ["time"] * 5 + ["profile"] * 5, events
@@ -1205,7 +1206,7 @@ def test_sparse_profile_pass_diagnoses_each_sparse_optimizer(capsys):
 
 @pytest.mark.gpu
 def test_step_diagnosis_counts_what_a_step_does_on_the_gpu():
-    from experiments.sparse_embedding import step_diagnosis
+    from experiments.harness import step_diagnosis
 
     x = torch.randn(4096, 4096, device="cuda")
 

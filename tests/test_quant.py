@@ -100,14 +100,14 @@ def reference(a, b, a_scale, b_scale, bias, relu):
 def quantization_bound(x, w, layer, kind):
     """|y_quantized - y_float| elementwise, derived: with x ~ x^ = s_x q_x and w ~ w^ = s_w q_w,
     |xw - x^w^| <= |x||w - w^| + |x - x^||w^| summed over K; each rounding error is bounded per kind
-    (int8: half a step, plus 2**-16 steps for the fp32 quotient and the clamp; e4m3: 2**-4 relative
+    (int8: half a step, plus 2**-16 steps for the fp32 quotient, or the product by the fp32 reciprocal, and the clamp; e4m3: 2**-4 relative
     for normals, 2**-10 steps below them, plus the quotient's rounding). The GEMM and epilogue
     rounding is added on top."""
     x64, w64 = x.double(), w.double()
     quantize = quantize_int8_rowwise if kind == "int8" else quantize_fp8_rowwise
     if kind == "int8" and getattr(layer, "act_scale", None) is not None:
         s_x = layer.act_scale.double().expand(x.shape[0])
-        x_hat = torch.round(x.float() / layer.act_scale).clamp(-127, 127).double() * layer.act_scale.double()
+        x_hat = quantize_int8_static(x, layer.act_scale).double() * layer.act_scale.double()
     else:
         q, s_x = quantize(x)
         s_x = s_x.double()
@@ -814,8 +814,11 @@ def test_static_scales_named_after_no_layer_are_refused_or_reported():
 def test_unknown_config_and_bad_scales_raise():
     with pytest.raises(TypeError, match="no quantize_ handler for str; known configs: Float8RowwiseConfig"):
         quantize_(_mlp(), "int8")
-    with pytest.raises(ValueError, match=_escaped("act_scales['fc'] must be a positive finite number, got 0.0")):
-        Int8StaticActivationInt8WeightConfig({"fc": 0.0})
+    for bad in (0.0, 1e-50, 1e-39, 1e38):  # the fp32 reciprocal static quantization multiplies by: inf, subnormal, 0
+        with pytest.raises(ValueError, match=_escaped("act_scales['fc'] must be a positive finite number from "
+                                                      "1.18e-38 to 8.51e+37 (its fp32 reciprocal a normal number), "
+                                                      f"got {bad!r}")):
+            Int8StaticActivationInt8WeightConfig({"fc": bad})
     with pytest.raises(Exception):  # frozen: a model's config cannot change under it
         Int8StaticActivationInt8WeightConfig({"fc": 1.0}).act_scales["fc"] = 2.0
 
@@ -1696,9 +1699,15 @@ def test_from_float_keeps_a_fused_relu_and_checks_its_arguments(kind):
     with pytest.raises(TypeError, match="takes an nn.Linear.*got a Conv2d"):
         cls.from_float(nn.Conv2d(3, 4, 3))
     if kind == "int8":
-        for bad in (0.0, -1.0, float("nan"), float("inf")):
+        for bad in (0.0, -1.0, float("nan"), float("inf"), 1e-40, 1e39):
             with pytest.raises(ValueError, match="act_scale must be a positive finite number"):
                 Int8Linear.from_float(nn.Linear(8, 4), act_scale=bad)
+        static = Int8Linear.from_float(nn.Linear(8, 4), act_scale=0.05)
+        for bad in (0.0, float("inf"), -0.05):  # a checkpoint's scale, checked at load (the layer would zero or saturate)
+            state = {**static.state_dict(), "act_scale": torch.tensor(bad)}
+            with pytest.raises(RuntimeError, match="act_scale must be a positive finite number"):
+                static.load_state_dict(state)
+        assert static.act_scale.item() == pytest.approx(0.05)
 
 
 def test_a_layer_held_under_two_names_is_calibrated_and_quantized_under_one():

@@ -87,6 +87,12 @@ def test_static_scale_multiplies_by_its_reciprocal(device, kernel, monkeypatch):
     # float64 reference: the fp32 reciprocal, the product of two fp32 exact in float64, then rounded to fp32
     product = (x.double() * (1 / scale.double()).float().double()).float().double()
     assert torch.equal(q.long(), product.round().clamp(-127, 127).long())
+    for low in (torch.bfloat16, torch.float16):  # PyTorch's ops: the reciprocal of the scale as fp32 too (an fp16
+        # 1e-5 has no fp16 reciprocal: inf would saturate every value)
+        small = torch.tensor([1e-5, 0.0037], dtype=low, device=device)[:, None]
+        got = quantize_int8_static(torch.tensor([[4e-4], [0.46]], device=device), small)
+        want = (torch.tensor([[4e-4], [0.46]]).double() * (1 / small.cpu().double()).float().double()).float().round()
+        assert torch.equal(got.cpu().long(), want.long()), (low, got)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -37,14 +37,21 @@ class FrozenScales(Mapping):
         return f"FrozenScales({self._scales!r})"
 
 
+# A static scale's range: fp32 normals whose reciprocal (what quantization multiplies by) is a normal fp32 too
+SCALE_RANGE = (2.0**-126, 2.0**126)
+
+
 def positive_scale(what: str, scale) -> float:
-    """``scale`` as a float (a Python, NumPy or one-element tensor real number), or ValueError naming it as ``what``."""
+    """``scale`` as a float (a Python, NumPy or one-element tensor real number), or ValueError naming it as ``what``:
+    it must lie in SCALE_RANGE (beyond it the fp32 reciprocal that static quantization multiplies by is inf, 0 or
+    subnormal)."""
     if isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.is_floating_point():
         scale = scale.item()
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ValueError(f"{what} must be a real number, got {type(scale).__name__} {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{what} must be a positive finite number, got {float(scale)!r}")
+    if not (math.isfinite(scale) and SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]):
+        raise ValueError(f"{what} must be a positive finite number from {SCALE_RANGE[0]:.3g} to {SCALE_RANGE[1]:.3g} "
+                         f"(its fp32 reciprocal a normal number), got {float(scale)!r}")
     return float(scale)
 
 

@@ -112,8 +112,18 @@ class _QuantizedLinear(nn.Module):
                 error_msgs.append(f"{key}: the checkpoint holds {state_dict[key].dtype} where this "
                                   f"{type(self).__name__} holds {own.dtype} (a checkpoint of another quantization "
                                   f"or of the float model: quantize the model it came from the same way)")
+        scale, key, kept = state_dict.get(prefix + "act_scale"), prefix + "act_scale", None
+        if self._buffers.get("act_scale") is not None and isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            try:  # a checkpoint's static scale, read once at load: a 0 or inf would silently zero or saturate
+                positive_scale(key, scale.float())
+            except ValueError as e:
+                error_msgs.append(str(e))
+                kept = self.act_scale.clone()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if kept is not None:  # load_state_dict raises after copying every key: the refused scale must not stay
+            with torch.no_grad():
+                self.act_scale.copy_(kept)
 
     def _check_width(self, x: torch.Tensor) -> None:
         """ValueError naming this layer for an input whose last size is not ``in_features`` (the GEMM's own

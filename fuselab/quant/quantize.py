@@ -36,6 +36,7 @@ from fuselab.nn.fuse import (
 )
 from fuselab.nn.linear_relu import FusedConv1DReLU, FusedLinearReLU
 from fuselab.quant.config import (
+    SCALE_RANGE,
     Float8RowwiseConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8StaticActivationInt8WeightConfig,
@@ -143,15 +144,16 @@ class Calibration:
 
     def act_scales(self, qmax: int = INT8_QMAX) -> Dict[str, float]:
         """Symmetric per-tensor scales, ``absmax / qmax`` (int8: 127), for
-        ``Int8StaticActivationInt8WeightConfig``. A layer that only saw zeros has no range to scale
-        by and is left out (any scale would turn its later nonzero inputs into about nothing):
+        ``Int8StaticActivationInt8WeightConfig``. A layer that only saw zeros (or values so small that the scale
+        would fall below SCALE_RANGE) has no range to scale by and is left out (any scale would turn its later
+        nonzero inputs into about nothing):
         quantize_ then leaves it alone and says so. ``qmax``: the int8 step the calibrated absmax maps to,
         in (0, 127]; below 127 leaves headroom above the calibrated range (past 127 it would be clipped)."""
         qmax = positive_scale("act_scales(qmax)", qmax)
         if qmax > INT8_QMAX:
             raise ValueError(f"act_scales(qmax={qmax:g}): the static layers' inputs are int8, whose steps end at "
                              f"{INT8_QMAX}; a larger qmax would clip the calibrated range itself")
-        return {name: value / qmax for name, value in self.absmax.items() if value > 0}
+        return {name: value / qmax for name, value in self.absmax.items() if value / qmax >= SCALE_RANGE[0]}
 
 
 def _model_input(batch):

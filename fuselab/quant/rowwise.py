@@ -11,15 +11,16 @@ once where it fits one block (K <= 4096 or 7168 < K <= 8192; else twice, the sec
 writes the 1-byte values and the scale once.
 
 Where it runs: the Triton kernel on CUDA and in the interpreter; PyTorch's ops elsewhere, with the
-same arithmetic (fp32 quotients correctly rounded, then rounded or cast), so both give the same bits. A static
-scale's reciprocal is rounded to fp32 once and each value multiplied by it (torchao's formula): a quotient within
-an ulp of a half step can round to the other neighbour than the correctly rounded division would. The division
-is free in a memory-bound pass, but not where a GEMM's epilogue quantizes its output.
-A row holding NaN gets a NaN scale, one holding inf an inf scale, and a NaN quotient (NaN, or inf over an
+same arithmetic, so both give the same bits: a dynamic scale's fp32 quotients correctly rounded, then rounded or
+cast; a static scale's reciprocal rounded to fp32 once (a scale of another dtype too) and each value multiplied by
+it (torchao's formula), where a value within about an ulp of a half step can round to the other neighbour than the
+correctly rounded division would. The division is free in a memory-bound pass, but not where a GEMM's epilogue
+quantizes its output. A row holding NaN gets a NaN scale, one holding inf an inf scale, and a NaN quotient (NaN, or inf over an
 inf scale) quantizes to 0: such a row's values are all +-0 (its finite values over that scale are +-0 too),
 so a quantized layer's output row is NaN (scale x accumulator), never finite or an infinity of either sign
 (the float layer's row is not finite either). A static scale is finite: NaN inputs quantize to 0 there,
-infinities to +-QMAX.
+infinities to +-QMAX. The layers and configs take static scales whose fp32 reciprocal is a normal number
+(``config.positive_scale``); the ops take any one fp32 value, unchecked (reading it would wait for the GPU).
 """
 from typing import Tuple
 
@@ -202,7 +203,7 @@ def _torch_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``quantize_static`` by PyTorch's ops (``scale`` may be any shape that broadcasts; one value of any shape
     keeps x's: a (1, 1) scale must not broadcast x to more dimensions)."""
     scale = scale.reshape(()) if scale.numel() == 1 else scale
-    quotient = _nan_quotients_to_zero(x.to(torch.float32) * scale.reciprocal())  # as _quantize_static
+    quotient = _nan_quotients_to_zero(x.to(torch.float32) * scale.to(torch.float32).reciprocal())  # as _quantize_static
     return quotient.round_().clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
 
 

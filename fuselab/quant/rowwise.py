@@ -15,7 +15,9 @@ same arithmetic, so both give the same bits: a dynamic scale's fp32 quotients co
 cast; a static scale's reciprocal rounded to fp32 once (a scale of another dtype too) and each value multiplied by
 it (torchao's formula), where a value within about an ulp of a half step can round to the other neighbour than the
 correctly rounded division would. The division is free in a memory-bound pass, but not where a GEMM's epilogue
-quantizes its output. A row holding NaN gets a NaN scale, one holding inf an inf scale, and a NaN quotient (NaN, or inf over an
+quantizes its output.
+
+A row holding NaN gets a NaN scale, one holding inf an inf scale, and a NaN quotient (NaN, or inf over an
 inf scale) quantizes to 0: such a row's values are all +-0 (its finite values over that scale are +-0 too),
 so a quantized layer's output row is NaN (scale x accumulator), never finite or an infinity of either sign
 (the float layer's row is not finite either). A static scale is finite: NaN inputs quantize to 0 there,

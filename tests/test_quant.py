@@ -1708,6 +1708,8 @@ def test_from_float_keeps_a_fused_relu_and_checks_its_arguments(kind):
             with pytest.raises(RuntimeError, match="act_scale must be a positive finite number"):
                 static.load_state_dict(state)
         assert static.act_scale.item() == pytest.approx(0.05)
+        meta = {k: v.to("meta") for k, v in static.state_dict().items()}  # no value to check: loaded as it is
+        Int8Linear.from_float(nn.Linear(8, 4), act_scale=0.05).load_state_dict(meta, assign=True)
 
 
 def test_a_layer_held_under_two_names_is_calibrated_and_quantized_under_one():

@@ -113,7 +113,8 @@ class _QuantizedLinear(nn.Module):
                                   f"{type(self).__name__} holds {own.dtype} (a checkpoint of another quantization "
                                   f"or of the float model: quantize the model it came from the same way)")
         scale, key, kept = state_dict.get(prefix + "act_scale"), prefix + "act_scale", None
-        if self._buffers.get("act_scale") is not None and isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        if (self._buffers.get("act_scale") is not None and isinstance(scale, torch.Tensor) and scale.numel() == 1
+                and not scale.is_meta):  # a meta checkpoint holds no value to check
             try:  # a checkpoint's static scale, read once at load: a 0 or inf would silently zero or saturate
                 positive_scale(key, scale.float())
             except ValueError as e:

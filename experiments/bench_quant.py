@@ -13,9 +13,11 @@ Ops and providers (the first one named is each op's baseline; the report compute
                 the int8 ones were quantized from: what quantizing saves)
     fp8 gemm    the same with float8_e4m3fn operands and rowwise scales: _scaled_mm
                 (``torch._scaled_mm`` with scale_a (M, 1), scale_b (1, N), the bias, bf16 out, then a
-                ReLU), _scaled_mm fast accum (``use_fast_accum=True``: informative), fuselab fp8
-                (``fuselab.quant.fp8_matmul``), fuselab bf16. GPUs below compute capability 8.9 have
-                no fp8 tensor cores: their fp8 rows are recorded as failed, with the reason.
+                ReLU), _scaled_mm fast accum (``use_fast_accum=True``), fuselab fp8
+                (``fuselab.quant.fp8_matmul``: each K tile's sum added into fp32, as _scaled_mm's), fuselab
+                fp8 fast accum (``fast_accum=True``: the peer of _scaled_mm fast accum), fuselab bf16. GPUs
+                below compute capability 8.9 have no fp8 tensor cores: their fp8 rows are recorded as failed,
+                with the reason.
     prefill     an OPT decoder (``experiments/models.py``: transformers' modules, random init, bf16)
                 forward under no_grad over 8 x 1024 tokens: fuselab bf16 (patched by
                 ``fuse_linear_relu``), stock bf16 (unpatched), int8 dynamic and fp8 (the patched model
@@ -185,6 +187,12 @@ def scaled_mm_fast_accum(inp: GemmInputs) -> torch.Tensor:
 @FP8.register("fuselab fp8")
 def fuselab_fp8(inp: GemmInputs) -> torch.Tensor:
     return fp8_matmul(inp.a_q, inp.b_q, inp.a_scale, inp.w_scale, inp.bias, relu=True, out_dtype=torch.bfloat16)
+
+
+@FP8.register("fuselab fp8 fast accum")
+def fuselab_fp8_fast_accum(inp: GemmInputs) -> torch.Tensor:
+    return fp8_matmul(inp.a_q, inp.b_q, inp.a_scale, inp.w_scale, inp.bias, relu=True, out_dtype=torch.bfloat16,
+                      fast_accum=True)
 
 
 FP8.register("fuselab bf16")(fuselab_bf16)

@@ -135,7 +135,9 @@ column-major, then the epilogue as separate eager ops; `_int_mm row-major B` the
 row-major; `fuselab int8` one Triton kernel; `fuselab bf16` the fused bf16 matmul-ReLU on the
 unquantized tensors). `fp8 gemm` is the same in float8_e4m3fn with rowwise scales (baseline
 **`_scaled_mm`**: `torch._scaled_mm` with scales (M, 1) and (1, N), the bias and bf16 out, then a
-ReLU; `_scaled_mm fast accum` with `use_fast_accum=True`; `fuselab fp8`; `fuselab bf16`). Rates are
+ReLU; `_scaled_mm fast accum` with `use_fast_accum=True`; `fuselab fp8`, each K tile's sum added into fp32 as
+`_scaled_mm`'s; `fuselab fp8 fast accum` with `fast_accum=True`, the peer of `_scaled_mm fast accum`;
+`fuselab bf16`). Rates are
 2·M·N·K per second: `TOP/s` for the int8 op (the bf16 peer's operations are FLOPs), `TFLOP/s` for
 fp8. `eager` is `triton.testing.do_bench` (L2 flushed; host time beyond the flush's shows), `graph` replays the
 calls from a CUDA graph; inputs rotate over sets larger than L2. `rel err` is each output against
@@ -164,8 +166,8 @@ under `torch.compile`, a graph per shape) and `fuselab fused` (`fused=True`: two
 program per row). At C = 10 the eager times are the host's cost per call, not the GPU's."""
 
 QUANT_PROVIDERS = ["_int_mm", "_int_mm row-major B", "_scaled_mm", "_scaled_mm fast accum", "fuselab int8",
-                   "fuselab fp8", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8", "torch", "torch compiled",
-                   "fuselab fused"]
+                   "fuselab fp8", "fuselab fp8 fast accum", "fuselab bf16", "stock bf16", "int8 dynamic", "fp8",
+                   "torch", "torch compiled", "fuselab fused"]
 
 def _matmul_spec(title: str, cuda_prose: str, command_args: str, plot_suffix: str) -> Spec:
     """The page of ``bench_matmul_relu``'s study, with or without the CUDA C++ reference."""
@@ -191,9 +193,10 @@ def _targets_table(header: List[str], lines: List[list]) -> List[str]:
 
 def prefill_targets(res: Results) -> List[str]:
     """Issue 20: each quantized prefill at least 1.3x faster than fuselab bf16's (wall time)."""
-    quantized = ("int8 dynamic", "int8 fused norms", "fp8", "fp8 fused norms")
+    rows = select(res.rows, op="prefill", metric="ms")
+    quantized = [p for p in dict.fromkeys(r["provider"] for r in rows) if p not in ("fuselab bf16", "stock bf16")]
     lines = []
-    for shape in dict.fromkeys(r["shape"] for r in select(res.rows, op="prefill", metric="ms")):
+    for shape in dict.fromkeys(r["shape"] for r in rows):
         base = _p50(res, shape, "prefill", "fuselab bf16", "wall")
         times = [_p50(res, shape, "prefill", q, "wall") for q in quantized]
         speedups = [base / t if base and t else None for t in times]
@@ -592,7 +595,9 @@ def render_view(res: Results, spec: Spec, view: View) -> Tuple[List[str], set]:
         if view.baseline not in (OP_BASELINE, None) and not any(r[view.column] == baseline for r in sub):
             continue  # a view against a named peer that was not measured: nothing to show
         covered |= {(op, view.metric) for op in ops}
-        with_runs = len({r["run"] for r in sub}) > 1
+        # which run made each row: where the table mixes runs, or the file mixes GPUs
+        with_runs = (len({r["run"] for r in sub}) > 1
+                     or len({str(res.runs.get(r["run"], {}).get("gpu")) for r in res.rows}) > 1)
         index = view.index
         cells = {}
         for r in sub:

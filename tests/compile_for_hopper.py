@@ -52,6 +52,10 @@ def compile_launch(launch, config, **overrides) -> None:
     out = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
     assert "cubin" in out.asm, sorted(out.asm)
+    if named.get("INT8") is False:  # an fp8 scaled_gemm: the accumulation its launch asked for reached the MMA
+        # fast_accum: Triton's sm_90 default (no fp32 promotion within K); else one promotion per K tile
+        want = 2**30 if named["FAST_ACCUM"] else named["BLOCK_K"]
+        assert f"maxNumImpreciseAcc = {want}" in out.asm["ttgir"], f"FAST_ACCUM={named['FAST_ACCUM']}"
 
 
 def record(tuner, call):
@@ -94,7 +98,7 @@ def gemm_launches(dtype, *, bias=True, relu=True, mask=False, rowsum=False):
         rowsum=torch.empty(M, dtype=torch.float32) if rowsum else None, relu=relu))
 
 
-def scaled_gemm_launches(dtype, quantized_output: bool = False):
+def scaled_gemm_launches(dtype, quantized_output: bool = False, fast_accum: bool = False):
     from fuselab.quant import _scaled_gemm as SG
 
     M, N, K = 256, 256, 256
@@ -103,7 +107,7 @@ def scaled_gemm_launches(dtype, quantized_output: bool = False):
     c = torch.empty(M, N, dtype=torch.int8 if quantized_output else torch.bfloat16)
     out = (torch.empty((), dtype=torch.float32), torch.bfloat16) if quantized_output else ()
     return record(SG.scaled_gemm_kernel, lambda: SG.scaled_gemm(a, b, c, *scales, torch.empty(N, dtype=torch.bfloat16),
-                                                                True, *out))
+                                                                True, *out, fast_accum=fast_accum))
 
 
 def _gemm_configs(tma: bool):
@@ -140,13 +144,18 @@ def group_gemm_variants():
 
 
 def group_quant():
-    """Every config of the 8-bit GEMM, int8 and fp8, with its full epilogue (int8's also quantizing its output)."""
+    """Every config of the 8-bit GEMM, int8 and fp8, with its full epilogue (int8's also quantizing its output); fp8
+    with fast accumulation in each body (its one change is the dot's promotion: a config of each body covers it)."""
     from fuselab.quant import _scaled_gemm as SG
 
     for dtype, quantized_output in ((torch.int8, False), (torch.float8_e4m3fn, False), (torch.int8, True)):
         (launch,) = scaled_gemm_launches(dtype, quantized_output)
         for config in SG.scaled_gemm_kernel.configs:
             yield f"scaled_gemm {dtype}{' int8 output' if quantized_output else ''}", launch, config, {}
+    (launch,) = scaled_gemm_launches(torch.float8_e4m3fn, fast_accum=True)
+    for tma in (False, True):
+        config = next(c for c in SG.scaled_gemm_kernel.configs if c.kwargs["TMA"] == tma)
+        yield "scaled_gemm fp8 fast_accum", launch, config, {}
 
 
 def group_rowwise():

@@ -52,6 +52,8 @@ OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # each K tile into fp32, so at most BLOCK_K / 32 <= 8 reduced-precision additions per tile, each within
 # 2**-13 of the tile's sum of |products| (GPU only: the interpreter and the CPU path sum in fp32).
 FP8_MMA_BOUND = 8 * 2.0**-13
+# fast_accum: no fp32 promotion, so K / 32 reduced-precision additions over the whole K (an MMA instruction sums 32)
+FP8_FAST_ACCUM_BOUND_PER_K = 2.0**-13 / 32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,8 +83,9 @@ def epilogue_bound(p_abs, bias_abs):
     return 5 * EPS * (p_abs + bias_abs)
 
 
-def reference(a, b, a_scale, b_scale, bias, relu):
-    """The dequantized math in float64, and the error bound of the kernel's fp32 computation of it."""
+def reference(a, b, a_scale, b_scale, bias, relu, fast_accum=False):
+    """The dequantized math in float64, and the error bound of the kernel's fp32 computation of it (with
+    ``fast_accum``, of Hopper's reduced-precision accumulation over the whole K)."""
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     scales = a_scale.double()[:, None] * b_scale.double()[None, :]
     p = (a64 @ b64) * scales
@@ -93,7 +96,8 @@ def reference(a, b, a_scale, b_scale, bias, relu):
         products = a64.abs() @ b64.abs()
         bound = bound + dot_bound(torch.float32, a.shape[1], a64.abs(), b64.abs()) * scales
         if a.is_cuda:
-            bound = bound + FP8_MMA_BOUND * products * scales
+            mma = FP8_FAST_ACCUM_BOUND_PER_K * a.shape[1] if fast_accum else FP8_MMA_BOUND
+            bound = bound + mma * products * scales
     return (torch.relu(ref) if relu else ref), bound
 
 
@@ -355,14 +359,48 @@ def test_int8_paths_give_the_same_accumulators(device, M, K, N):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_paths_agree(device):
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fp8_paths_agree(device, fast_accum):
     _skip_fp8_without_hardware(device)
     a, b, a_scale, b_scale = _operands(33, 70, 20, "fp8", device)
     bias = torch.randn(20, device=device)
-    ref, bound = reference(a, b, a_scale, b_scale, bias, False)
+    ref, bound = reference(a, b, a_scale, b_scale, bias, False, fast_accum)
     for backend in ("triton", "torch"):
-        assert_close(fp8_matmul(a, b, a_scale, b_scale, bias, False, torch.float32, backend=backend), ref, bound,
-                     f"fp8 {backend}")
+        out = fp8_matmul(a, b, a_scale, b_scale, bias, False, torch.float32, fast_accum=fast_accum, backend=backend)
+        assert_close(out, ref, bound, f"fp8 {backend} fast_accum={fast_accum}")
+
+
+def test_fast_accum_is_checked():
+    a, b, a_scale, b_scale = _operands(4, 16, 8, "fp8", "cpu")
+    for backend in ("auto", "torch"):
+        with pytest.raises(TypeError, match="fast_accum must be a bool, got 1"):
+            fp8_matmul(a, b, a_scale, b_scale, fast_accum=1, backend=backend)
+    with pytest.raises(TypeError, match="fast_accum must be True or False"):
+        Float8RowwiseConfig(fast_accum="yes")
+    with pytest.raises(TypeError, match="fast_accum must be a bool"):
+        Float8Linear(16, 8, fast_accum=None)
+    a8, b8, s8, t8 = _operands(4, 16, 8, "int8", "cpu")
+    with pytest.raises(ValueError, match="fast_accum applies to fp8 operands"):
+        scaled_gemm.scaled_gemm(a8, b8, torch.empty(4, 8), s8, t8, None, False, fast_accum=True)
+
+
+def test_fast_accum_reaches_the_kernel_launch(monkeypatch):
+    # Float8RowwiseConfig(fast_accum=True) -> Float8Linear -> fp8_matmul -> the kernel's FAST_ACCUM constexpr (the
+    # interpreter sums in fp32 either way: the flag can only be seen on its way; the Hopper compile test checks the
+    # compiled dot's promotion for each value)
+    seen = []
+    real = scaled_gemm.launch
+    monkeypatch.setattr(scaled_gemm, "launch", lambda *args, **kw: (seen.append(kw["FAST_ACCUM"]), real(*args, **kw)))
+    for fast in (False, True):
+        model = _mlp()
+        report = quantize_(model, Float8RowwiseConfig(fast_accum=fast))
+        layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        assert len(report.replaced) == len(layers) == 3 and all(m.fast_accum is fast for m in layers)
+        assert ("fast_accum=True" in repr(model)) is fast
+        seen.clear()
+        with torch.no_grad():
+            model(torch.randn(5, 24))
+        assert seen == [fast] * 3
 
 
 def _force_pytorch_path(monkeypatch):
@@ -497,6 +535,8 @@ def test_opcheck(device, kind):
                                torch.float32), **kw)
     raw = torch.int32 if kind == "int8" else torch.float32
     torch.library.opcheck(op, (a, b, None, None, None, False, raw), **kw)
+    if kind == "fp8":  # the fp8 op's accumulation flag
+        torch.library.opcheck(op, (a, b, a_scale, b_scale, bias, True, torch.bfloat16, True), **kw)
 
 
 def _mlp(d_in=24, hidden=40, d_out=10):
@@ -1127,13 +1167,14 @@ def test_int8_gpu_realistic(M, K, N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K,N", [(4096, 4096, 4096), (8192, 1024, 3072), (16, 4096, 11008), (1000, 1000, 1000)])
-def test_fp8_gpu_realistic(M, K, N):
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fp8_gpu_realistic(M, K, N, fast_accum):
     _skip_fp8_without_hardware("cuda")
     a, b, a_scale, b_scale = _operands(M, K, N, "fp8", "cuda")
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    out = fp8_matmul(a, b, a_scale, b_scale, bias, True, torch.bfloat16)
-    ref, bound = reference(a, b, a_scale, b_scale, bias, True)
-    assert_close(out, ref, bound, "fp8 on the GPU")
+    out = fp8_matmul(a, b, a_scale, b_scale, bias, True, torch.bfloat16, fast_accum=fast_accum)
+    ref, bound = reference(a, b, a_scale, b_scale, bias, True, fast_accum)
+    assert_close(out, ref, bound, f"fp8 on the GPU, fast_accum={fast_accum}")
 
 
 @pytest.mark.gpu

@@ -101,7 +101,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 @autotune(configs=gemm_configs(), prune=_prune_configs, heuristic=HEURISTIC_CONFIG,
-          key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_OK", "SCALED", "HAS_BIAS"])
+          key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_OK", "SCALED", "HAS_BIAS",
+               "FAST_ACCUM"])
 @triton.jit
 def scaled_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr,
@@ -109,7 +110,7 @@ def scaled_gemm_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     stride_a_scale, stride_b_scale, stride_bias,
     M_BUCKET, N_BUCKET, K_BUCKET, A_ROW_MAJOR, B_ROW_MAJOR,  # autotune keys only
-    INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
+    INT8: tl.constexpr, FAST_ACCUM: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, RELU: tl.constexpr,
     OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, INT64: tl.constexpr, TMA_OK: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
@@ -118,20 +119,23 @@ def scaled_gemm_kernel(
     if TMA:
         _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K,
                                     stride_am, stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias,
-                                    INT8, SCALED, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT, INT64, NUM_SMS, BLOCK_M,
+                                    INT8, FAST_ACCUM, SCALED, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT, INT64, NUM_SMS,
+                                    BLOCK_M,
                                     BLOCK_N, BLOCK_K, GROUP_M, EPILOGUE_SUBTILE)
     else:
         _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K, stride_am,
                           stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale,
-                          stride_bias, INT8, SCALED, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT, INT64, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M)
+                          stride_bias, INT8, FAST_ACCUM, SCALED, HAS_BIAS, RELU, OUT_DTYPE, QUANT_OUT, INT64, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit
-def _dot(a, b, acc, INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dot(a, b, acc, INT8: tl.constexpr, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
     # One return: triton 3.6 compiles the statements after a return inside a constexpr `if` too.
     if INT8:
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # exact: the checks keep K below int32 overflow
+    elif FAST_ACCUM:  # the MMA's own accumulation over the whole K (torch._scaled_mm's use_fast_accum)
+        acc = tl.dot(a, b, acc)
     else:
         # Hopper's fp8 MMA keeps fewer bits while it accumulates, and Triton's sm_90 default lets it run
         # over the whole K: promote into fp32 once per K tile instead.
@@ -142,8 +146,9 @@ def _dot(a, b, acc, INT8: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K, stride_am,
                       stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_a_scale, stride_b_scale,
-                      stride_bias, INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      RELU: tl.constexpr, OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, INT64: tl.constexpr,
+                      stride_bias, INT8: tl.constexpr, FAST_ACCUM: tl.constexpr, SCALED: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, RELU: tl.constexpr, OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr,
+                      INT64: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -157,7 +162,7 @@ def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, o
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _dot(a, b, acc, INT8, BLOCK_K)
+        acc = _dot(a, b, acc, INT8, FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if SCALED:
@@ -172,11 +177,11 @@ def _scaled_gemm_tile(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, o
 @triton.jit
 def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, M, N, K,
                                 stride_am, stride_bn, stride_cm, stride_a_scale, stride_b_scale, stride_bias,
-                                INT8: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                RELU: tl.constexpr, OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr,
-                                INT64: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                                EPILOGUE_SUBTILE: tl.constexpr):
+                                INT8: tl.constexpr, FAST_ACCUM: tl.constexpr, SCALED: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, RELU: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                                QUANT_OUT: tl.constexpr, INT64: tl.constexpr, NUM_SMS: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr):
     # A row-major, B = a weight's transpose (K-major, as Hopper's 8-bit MMA reads both), C row-major:
     # TMA_OK says so (_tma_ok). B is described as the (N, K) weight and transposed in shared memory.
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
@@ -196,7 +201,7 @@ def _scaled_gemm_tma_persistent(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, b
         for ki in range(k_tiles):  # TMA zero-fills past K's edge: the tail adds nothing
             a = a_desc.load([off_m, ki * BLOCK_K])
             b = b_desc.load([off_n, ki * BLOCK_K]).T
-            acc = _dot(a, b, acc, INT8, BLOCK_K)
+            acc = _dot(a, b, acc, INT8, FAST_ACCUM, BLOCK_K)
         if SCALED:
             # In-range indices (the store drops rows and columns past the edge), as the pointer body's.
             rm = (off_m + tl.arange(0, BLOCK_M)) % M
@@ -248,9 +253,9 @@ def _epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, out_scale_ptr, rm, rn, st
 # ----------------------------------------------------------------------------------------------
 
 
-def _plan_key(tensors, relu, out_dtype) -> tuple:
+def _plan_key(tensors, relu, out_dtype, fast_accum) -> tuple:
     """Everything a launch of ``scaled_gemm`` specializes on but the data: see ``launch_planned``."""
-    return ("scaled_gemm", tensors[0].get_device(), relu, out_dtype, *(plan_layout(t) for t in tensors))
+    return ("scaled_gemm", tensors[0].get_device(), relu, out_dtype, fast_accum, *(plan_layout(t) for t in tensors))
 
 
 # The epilogue's float result as the kernel casts it (OUT_DTYPE); int32: the raw accumulators
@@ -260,15 +265,18 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Optional[torch.Tensor],
                 b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], relu: bool,
                 out_scale: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, *,
-                config: Optional[triton.Config] = None) -> None:
+                fast_accum: bool = False, config: Optional[triton.Config] = None) -> None:
     """Write ``c`` (M, N) = the epilogue of ``a`` (M, K) @ ``b`` (K, N), all 2-D with any strides;
     scales and bias 1-D with any stride (0 too). With ``out_scale`` (one fp32 value), ``c`` is int8: the
-    epilogue's result cast to ``out_dtype``, then quantized with that scale. Inputs as ``check_inputs``
-    accepts them. ``config`` bypasses the autotuner (tests and benchmarks of single configs)."""
+    epilogue's result cast to ``out_dtype``, then quantized with that scale. ``fast_accum`` (fp8 only): the
+    tensor cores' reduced-precision accumulation over the whole K (``check_fast_accum``). Inputs as
+    ``check_inputs`` accepts them. ``config`` bypasses the autotuner (tests and benchmarks of single configs)."""
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return
+    if fast_accum and a.dtype == torch.int8:
+        raise ValueError("scaled_gemm: fast_accum applies to fp8 operands (int8 products are summed exactly)")
     if out_scale is not None and out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"scaled_gemm: out_scale quantizes the result cast to out_dtype (float32, float16 or "
                          f"bfloat16), got out_dtype={out_dtype}")
@@ -277,7 +285,7 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
     present = [t for t in tensors if t is not None]
     plan_key = None
     if config is None and not INTERPRET and untraced(*present):  # a repeated eager call skips the rest
-        plan_key = _plan_key(tensors, relu, out_dtype)
+        plan_key = _plan_key(tensors, relu, out_dtype, fast_accum)
         if launch_planned(plan_key, *present):
             return
 
@@ -298,8 +306,8 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
            *scale_strides, bias.stride(0) if bias is not None else 0,
            bucket(M), bucket(N), bucket(K), int(a.stride(1) == 1), int(b.stride(1) == 1),
-           INT8=a.dtype == torch.int8, SCALED=a_scale is not None, HAS_BIAS=bias is not None, RELU=relu,
-           OUT_DTYPE=_TL_DTYPES[out_dtype], QUANT_OUT=out_scale is not None,
+           INT8=a.dtype == torch.int8, FAST_ACCUM=fast_accum, SCALED=a_scale is not None, HAS_BIAS=bias is not None,
+           RELU=relu, OUT_DTYPE=_TL_DTYPES[out_dtype], QUANT_OUT=out_scale is not None,
            INT64=needs_int64(a, b, c, a_scale, b_scale, bias), TMA_OK=tma_ok, NUM_SMS=sms, plan_key=plan_key,
            **meta)
 
@@ -313,6 +321,14 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------
 # What both ops share around the kernel: input checks, the epilogue in PyTorch
 # ----------------------------------------------------------------------------------------------
+
+
+def check_fast_accum(op: str, fast_accum) -> None:
+    """TypeError unless ``fast_accum`` is a bool. True: the fp8 MMA accumulates over the whole K in its own
+    reduced precision (Hopper keeps about 14 bits: faster, less exact); False: each K tile's sum is added into
+    fp32. Only Hopper's tensor cores differ: the interpreter and PyTorch's path sum in fp32 either way."""
+    if not isinstance(fast_accum, bool):
+        raise TypeError(f"{op}: fast_accum must be a bool, got {fast_accum!r}")
 
 
 def check_inputs(op: str, operand_dtype: torch.dtype, accumulator_dtype: torch.dtype, a: torch.Tensor,
@@ -404,10 +420,12 @@ def _as_vector(scale: Optional[torch.Tensor], shape: Tuple[int, ...], what: str)
 
 def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tensor, b: torch.Tensor,
          a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-         relu: bool, out_dtype: torch.dtype, backend: str, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+         relu: bool, out_dtype: torch.dtype, backend: str, out_scale: Optional[torch.Tensor] = None,
+         fast_accum: Optional[bool] = None) -> torch.Tensor:
     """The public functions' body: (..., K) rows flattened, scales as vectors, then the backend:
     "auto" the op (its eager body without the dispatcher when nothing traces the call), "triton"
-    the kernel, "torch" the op's PyTorch body. ``out_scale`` (the int8 op's) goes to the op only where given."""
+    the kernel, "torch" the op's PyTorch body. ``out_scale`` (the int8 op's) and ``fast_accum`` (the fp8 op's)
+    go to the op only where given."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if not isinstance(out_dtype, torch.dtype):  # else the dispatcher's "Expected a value of type 'int'"
@@ -418,7 +436,8 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
     a2 = a if a.dim() == 2 else a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: K may be 0
     a_scale = _as_vector(a_scale, tuple(a.shape[:-1]), "a_scale")
     b_scale = _as_vector(b_scale, (b.shape[1],), "b_scale")
-    args = (a2, b, a_scale, b_scale, bias, relu, out_dtype) + (() if out_scale is None else (out_scale,))
+    args = ((a2, b, a_scale, b_scale, bias, relu, out_dtype) + (() if out_scale is None else (out_scale,))
+            + (() if fast_accum is None else (fast_accum,)))
     runs_triton = execution_path(a) is ExecutionPath.TRITON
     if backend == "triton" and not runs_triton:
         raise ValueError(f"backend='triton' runs on CUDA tensors (or any under TRITON_INTERPRET=1), "
@@ -428,7 +447,7 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tenso
     elif backend == "triton" or (runs_triton and untraced(*args[:5], out_scale)):
         check_for_triton(*args)
         out = a2.new_empty((a2.shape[0], b.shape[1]), dtype=result_dtype(out_dtype, out_scale))
-        scaled_gemm(a2, b, out, a_scale, b_scale, bias, relu, out_scale, out_dtype)
+        scaled_gemm(a2, b, out, a_scale, b_scale, bias, relu, out_scale, out_dtype, fast_accum=bool(fast_accum))
     else:
         out = op(*args)
     return out if a.dim() == 2 else out.view(*a.shape[:-1], b.shape[1])

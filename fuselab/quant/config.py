@@ -110,12 +110,15 @@ class Float8RowwiseConfig:
     """FP8 e4m3: weights with one scale per output channel (absmax / 448), activations with one
     per token, quantized at run time. The GEMM runs on GPUs with fp8 tensor cores (sm_89+: Ada,
     Hopper); on a CPU it is emulated exactly (fp32 GEMM of the fp8 values). ``fuse_norms``: as the
-    dynamic int8 config's, the norms' rows quantized to fp8."""
+    dynamic int8 config's, the norms' rows quantized to fp8. ``fast_accum``: the GEMM's tensor cores
+    accumulate over the whole K in their own reduced precision (``fp8_matmul``'s; torch._scaled_mm's
+    ``use_fast_accum``): faster on Hopper, less exact; False adds each K tile's sum into fp32."""
 
     fuse_norms: bool = False
+    fast_accum: bool = False
 
     def __post_init__(self):
-        _check_flags(self, "fuse_norms")
+        _check_flags(self, "fuse_norms", "fast_accum")
 
 
 def _check_flags(config, *names: str) -> None:

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from fuselab.kernels._runtime import ExecutionPath, cuda_capability, execution_path, register_op
-from fuselab.quant._scaled_gemm import call, check_inputs, scaled_gemm, torch_epilogue
+from fuselab.quant._scaled_gemm import call, check_fast_accum, check_inputs, scaled_gemm, torch_epilogue
 from fuselab.quant.rowwise import FP8_DTYPE
 
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores (Ada, Hopper)
@@ -29,8 +29,9 @@ MIN_CAPABILITY = (8, 9)  # fp8 tensor cores (Ada, Hopper)
 OP = "fp8_matmul_epilogue"
 
 
-def _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype) -> None:
+def _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype, fast_accum=False) -> None:
     check_inputs(OP, FP8_DTYPE, torch.float32, a, b, a_scale, b_scale, bias, relu, out_dtype)
+    check_fast_accum(OP, fast_accum)
 
 
 def check_fp8_device(device: torch.device) -> Optional[str]:
@@ -44,33 +45,36 @@ def check_fp8_device(device: torch.device) -> Optional[str]:
     return None
 
 
-def _check_for_triton(a, b, a_scale, b_scale, bias, relu, out_dtype) -> None:
-    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
+def _check_for_triton(a, b, a_scale, b_scale, bias, relu, out_dtype, fast_accum=False) -> None:
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype, fast_accum)
     why = check_fp8_device(a.device)
     if why is not None:
         raise RuntimeError(f"{OP}: {why}")
 
 
 def _fake(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
-          bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
+          bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype, fast_accum)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-def _torch_forward(a, b, a_scale, b_scale, bias, relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def _torch_forward(a, b, a_scale, b_scale, bias, relu: bool, out_dtype: torch.dtype,
+                   fast_accum: bool = False) -> torch.Tensor:
     """The op by PyTorch's kernels: an fp32 GEMM of the upcast operands, then the epilogue. (Exact
-    products under TF32 as well: an e4m3 value has 4 significant bits, TF32 keeps 11.)"""
-    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype)
+    products under TF32 as well: an e4m3 value has 4 significant bits, TF32 keeps 11.) fp32 sums whatever
+    ``fast_accum`` says."""
+    _check_inputs(a, b, a_scale, b_scale, bias, relu, out_dtype, fast_accum)
     return torch_epilogue(a.to(torch.float32) @ b.to(torch.float32), a_scale, b_scale, bias, relu, out_dtype)
 
 
 def _forward(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype) -> torch.Tensor:
+             bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype,
+             fast_accum: bool = False) -> torch.Tensor:
     if execution_path(a) is not ExecutionPath.TRITON:
-        return _torch_forward(a, b, a_scale, b_scale, bias, relu, out_dtype)
-    _check_for_triton(a, b, a_scale, b_scale, bias, relu, out_dtype)
+        return _torch_forward(a, b, a_scale, b_scale, bias, relu, out_dtype, fast_accum)
+    _check_for_triton(a, b, a_scale, b_scale, bias, relu, out_dtype, fast_accum)
     out = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-    scaled_gemm(a, b, out, a_scale, b_scale, bias, relu)
+    scaled_gemm(a, b, out, a_scale, b_scale, bias, relu, fast_accum=fast_accum)
     return out
 
 
@@ -83,15 +87,17 @@ register_op(f"fuselab::{OP}", fake=_fake)(_forward)
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
                bias: Optional[torch.Tensor] = None, relu: bool = False, out_dtype: Optional[torch.dtype] = None,
-               *, backend: str = "auto") -> torch.Tensor:
+               *, fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
     """``cast(relu?((a @ b) * a_scale * b_scale + bias))`` for float8_e4m3fn ``a`` and ``b``, in one kernel.
 
     Arguments as ``int8_matmul``'s, with fp8 operands; without scales the result is the raw fp32
-    accumulators. ``backend="torch"`` is an fp32 GEMM of the upcast operands and a separate
+    accumulators. ``fast_accum=True``: Hopper's tensor cores accumulate over the whole K in their reduced
+    precision (``torch._scaled_mm``'s ``use_fast_accum``: faster, less exact; ``check_fast_accum``); False adds
+    each K tile's sum into fp32. ``backend="torch"`` is an fp32 GEMM of the upcast operands and a separate
     epilogue. Raises RuntimeError on a CUDA GPU without fp8 tensor cores (below sm_89).
     Inference only: the op has no derivative.
     """
     if out_dtype is None:
         out_dtype = torch.float32
     return call(torch.ops.fuselab.fp8_matmul_epilogue, _torch_forward, _check_for_triton, a, b, a_scale, b_scale,
-                bias, relu, out_dtype, backend)
+                bias, relu, out_dtype, backend, fast_accum=fast_accum)

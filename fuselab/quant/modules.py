@@ -17,6 +17,7 @@ from torch.nn.modules.utils import _pair
 
 from fuselab.kernels._runtime import SUPPORTED_DTYPES, in_dual_level
 from fuselab.nn.linear_relu import FusedLinearReLU, refuse_torchscript
+from fuselab.quant._scaled_gemm import check_fast_accum
 from fuselab.quant.config import positive_scale
 from fuselab.quant.fp8_gemm import fp8_matmul
 from fuselab.quant.int8_gemm import MAX_K as INT8_MAX_K
@@ -230,19 +231,28 @@ class Int8Linear(_QuantizedLinear):
 
 
 class Float8Linear(_QuantizedLinear):
-    """``[relu](x @ W^T + b)`` in fp8 e4m3: rowwise-scaled weights, the input quantized per token."""
+    """``[relu](x @ W^T + b)`` in fp8 e4m3: rowwise-scaled weights, the input quantized per token;
+    ``fast_accum`` as ``fp8_matmul``'s."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, relu: bool = False, device=None):
+    fast_accum: bool = False  # a class default: old pickles
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, relu: bool = False, device=None,
+                 fast_accum: bool = False):
         super().__init__(in_features, out_features, bias, relu, FP8_DTYPE, device=device)
+        check_fast_accum(type(self).__name__, fast_accum)
+        self.fast_accum = fast_accum
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, relu: Optional[bool] = None) -> "Float8Linear":
+    def from_float(cls, linear: nn.Linear, relu: Optional[bool] = None, fast_accum: bool = False) -> "Float8Linear":
         """Quantize ``linear``'s weight, its ReLU fused if it is a FusedLinearReLU or ``relu`` (see Int8Linear's)."""
         relu = cls._fused_relu(linear, relu, cls.__name__)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, relu,
-                    device=linear.weight.device)
+                    device=linear.weight.device, fast_accum=fast_accum)
         layer._load_float(linear, quantize_fp8_rowwise)
         return layer
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", fast_accum=True" if self.fast_accum else "")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: callers may pass it
         x = input
@@ -253,7 +263,8 @@ class Float8Linear(_QuantizedLinear):
             xq, x_scale = x.unwrap(fp8=True, layer=self)
         else:
             xq, x_scale = quantize_fp8_rowwise(x)
-        y = fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype)
+        y = fp8_matmul(xq, self.weight.t(), x_scale, self.weight_scale, self.bias, self.relu, out_dtype,
+                       fast_accum=self.fast_accum)
         return self._inference_only(y, x)
 
 

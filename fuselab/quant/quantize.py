@@ -124,7 +124,7 @@ def _no_fp8_hardware(layer, name, config) -> Optional[str]:
 
 @register_quantize_module_handler(Float8RowwiseConfig, why_not=_no_fp8_hardware)
 def _float8_rowwise(layer, relu, name, config):
-    return Float8Linear.from_float(_as_linear(layer), relu=relu)
+    return Float8Linear.from_float(_as_linear(layer), relu=relu, fast_accum=config.fast_accum)
 
 
 # ----------------------------------------------------------------------------------------------

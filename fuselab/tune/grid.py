@@ -52,6 +52,9 @@ GRIDS: Dict[str, List[dict]] = {
         # the static fused prefill's fc1 (fuse_outputs: fc2's int8 input written in the epilogue)
         {"kernel": "scaled_gemm", "shapes": [(8192, 8192, 2048)], "dtypes": ["int8"], "layouts": ["linear"],
          "ops": ["fwd-quantout"]},
+        # fp8 with fast accumulation (fp8_matmul(fast_accum=True)) at the benchmark's shapes
+        {"kernel": "scaled_gemm", "shapes": QUANT_BENCHMARK_SHAPES, "dtypes": ["fp8"], "layouts": ["linear"],
+         "ops": ["fwd-fastaccum"]},
     ],
     # a quick look on a GPU (a minute or two)
     "small": [{"shapes": [(4096, 4096, 1024), (8192, 8192, 1024)], "dtypes": ["bf16"], "layouts": ["linear"],

@@ -222,11 +222,11 @@ class ScaledGemm:
     -> fp32 accumulators, as the quantized layers call it (b = weight.t(), one scale per row of a and per
     column of b, bf16 out): ops ``fwd`` (with bias; the ReLU flag is not in the tuning key), ``fwd-nobias`` and
     ``fwd-quantout`` (int8: with bias and ReLU, the output quantized with a static scale, as a statically quantized
-    OPT's fc1 writes fc2's input). Products are named by dtype (``int8 fwd``), apart from the fused GEMM's in one
-    file."""
+    OPT's fc1 writes fc2's input), ``fwd-fastaccum`` (fp8: with bias, ``fast_accum=True``). Products are named by
+    dtype (``int8 fwd``), apart from the fused GEMM's in one file."""
     name = "scaled_gemm"
-    ops = ("fwd", "fwd-nobias", "fwd-quantout")
-    op_dtypes = {"fwd-quantout": ("int8",)}  # fp8 has no quantized output
+    ops = ("fwd", "fwd-nobias", "fwd-quantout", "fwd-fastaccum")
+    op_dtypes = {"fwd-quantout": ("int8",), "fwd-fastaccum": ("fp8",)}  # an int8 output; fp8's accumulation
     dtypes = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
     layouts = {"linear": "b = weight.t(), the (N, K) quantized weight row-major, as the quantized layers"}
     benchmark_shapes = QUANT_BENCHMARK_SHAPES  # experiments/bench_quant.py's
@@ -259,6 +259,10 @@ class ScaledGemm:
             int8_matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"], True, torch.bfloat16,
                         out_scale=t["out_scale"], backend="triton")
             return
+        if op == "fwd-fastaccum":  # fp8 only
+            fp8_matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"], False, torch.bfloat16, fast_accum=True,
+                       backend="triton")
+            return
         matmul = int8_matmul if t["a"].dtype == torch.int8 else fp8_matmul
         matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"] if op == "fwd" else None, False, torch.bfloat16,
                backend="triton")
@@ -273,8 +277,8 @@ class ScaledGemm:
 
     def baseline(self, launch: Launch) -> Tuple[str, Callable[[], object]]:
         """PyTorch's 8-bit GEMM on the launch's operands, with the epilogue it lacks as torch ops (int8:
-        ``torch._int_mm``; fp8: ``torch._scaled_mm``, whose rowwise scales and bias are its own); on a CPU
-        the op's PyTorch body."""
+        ``torch._int_mm``; fp8: ``torch._scaled_mm``, whose rowwise scales and bias are its own, with fast accumulation
+        where the launch has it); on a CPU the op's PyTorch body."""
         from fuselab.quant import fp8_matmul, int8_matmul
         from fuselab.quant._scaled_gemm import torch_epilogue
 
@@ -291,8 +295,9 @@ class ScaledGemm:
         if int8:
             return "_int_mm + epilogue", lambda: torch_epilogue(torch._int_mm(a, b), a_scale, b_scale, bias,
                                                                 out_scale is not None, out_dtype, out_scale)
-        return "_scaled_mm", lambda: torch._scaled_mm(a, b, scale_a=a_scale[:, None], scale_b=b_scale[None, :],
-                                                      bias=bias, out_dtype=c.dtype)
+        fast = bool(launch.kwargs.get("FAST_ACCUM"))
+        return ("_scaled_mm fast accum" if fast else "_scaled_mm"), lambda: torch._scaled_mm(
+            a, b, scale_a=a_scale[:, None], scale_b=b_scale[None, :], bias=bias, out_dtype=c.dtype, use_fast_accum=fast)
 
 
 KERNELS = {"matmul_relu": MatmulReLU(), "scaled_gemm": ScaledGemm()}

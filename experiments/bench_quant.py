@@ -14,10 +14,10 @@ Ops and providers (the first one named is each op's baseline; the report compute
     fp8 gemm    the same with float8_e4m3fn operands and rowwise scales: _scaled_mm
                 (``torch._scaled_mm`` with scale_a (M, 1), scale_b (1, N), the bias, bf16 out, then a
                 ReLU), _scaled_mm fast accum (``use_fast_accum=True``), fuselab fp8
-                (``fuselab.quant.fp8_matmul``: each K tile's sum added into fp32, as _scaled_mm's), fuselab
-                fp8 fast accum (``fast_accum=True``: the peer of _scaled_mm fast accum), fuselab bf16. GPUs
-                below compute capability 8.9 have no fp8 tensor cores: their fp8 rows are recorded as failed,
-                with the reason.
+                (``fuselab.quant.fp8_matmul``: each K tile's sum added into fp32, as _scaled_mm's),
+                fuselab fp8 fast accum (``fast_accum=True``: the peer of _scaled_mm fast accum), fuselab
+                bf16. GPUs below compute capability 8.9 have no fp8 tensor cores: their fp8 rows are recorded
+                as failed, with the reason.
     prefill     an OPT decoder (``experiments/models.py``: transformers' modules, random init, bf16)
                 forward under no_grad over 8 x 1024 tokens: fuselab bf16 (patched by
                 ``fuse_linear_relu``), stock bf16 (unpatched), int8 dynamic and fp8 (the patched model

@@ -191,6 +191,28 @@ def _targets_table(header: List[str], lines: List[list]) -> List[str]:
     return ["### The issues' targets", "", markdown_table(header, lines), ""] if lines else []
 
 
+# Issue 20's GEMM targets: (op, provider, peer, at least), each ratio of one run and mode
+GEMM_TARGETS = [("int8 gemm", "fuselab int8", "_int_mm", 1.05), ("int8 gemm", "fuselab int8", "fuselab bf16", 1.4),
+                ("fp8 gemm", "fuselab fp8", "_scaled_mm", 1.0),
+                ("fp8 gemm", "fuselab fp8 fast accum", "_scaled_mm fast accum", 1.0)]
+
+
+def quant_targets(res: Results) -> List[str]:
+    """Issue 20: the 8-bit GEMMs against their peers (``GEMM_TARGETS``), then the quantized prefills."""
+    columns, cells = [], {}
+    for op, provider, peer, least in GEMM_TARGETS:
+        column = f"{provider} x {peer} (>= {least:g})"
+        columns.append(column)
+        metric = "TOP/s" if op == "int8 gemm" else "TFLOP/s"
+        for (shape, _, mode), (ratio, _) in _ratio_rows(res, op, provider, peer, metric).items():
+            cells[(shape, mode, column)] = _verdict(ratio, ratio >= least)
+    lines = [[shape, mode, *(cells.get((shape, mode, c), "") for c in columns)]
+             for shape, mode in dict.fromkeys((shape, mode) for shape, mode, _ in cells)]
+    gemms = _targets_table(["shape", "mode", *columns], lines)
+    prefill = prefill_targets(res)
+    return gemms + prefill[2:] if gemms and prefill else gemms or prefill
+
+
 def prefill_targets(res: Results) -> List[str]:
     """Issue 20: each quantized prefill at least 1.3x faster than fuselab bf16's (wall time)."""
     rows = select(res.rows, op="prefill", metric="ms")
@@ -371,7 +393,7 @@ error of the four. On a CPU the Triton kernels run in the interpreter (mode `int
                 "provider": QUANT_PROVIDERS},
         plot=Plot("TOP/s", group=("shape",), bar=("provider", "mode"), where={"op": "int8 gemm"},
                   ylabel="TOP/s (int8; bf16: TFLOP/s)", title="relu(dequant(a_q @ w_q^T) + bias), int8"),
-        targets=prefill_targets),
+        targets=quant_targets),
     "sparse_embedding": Spec(
         title="SparseAdamW vs torch.optim.SparseAdam and AdamW",
         prose="""\
@@ -1018,12 +1040,14 @@ def headline_rows(studies: Dict[str, Results]) -> List[List[str]]:
                     _where(fsdp, [best])])
     quant = studies.get("quant_gemm")
     if quant is not None:
-        for op, provider, metric in (("int8 gemm", "fuselab int8", "TOP/s"), ("fp8 gemm", "fuselab fp8", "TFLOP/s")):
-            found = _ratio_rows(quant, op, provider, quant.baselines.get(op, ""), metric, mode="graph")
+        for op, provider, peer, metric in (("int8 gemm", "fuselab int8", "_int_mm", "TOP/s"),
+                                           ("fp8 gemm", "fuselab fp8", "_scaled_mm", "TFLOP/s"),
+                                           ("fp8 gemm", "fuselab fp8 fast accum", "_scaled_mm fast accum", "TFLOP/s")):
+            found = _ratio_rows(quant, op, provider, peer, metric, mode="graph")
             if found:
                 rows = [r for _, rs in found.values() for r in rs]
                 ratios = [v for v, _ in found.values()]
-                out.append([f"{provider} GEMM with fused epilogue vs {quant.baselines[op]} and the rest of the "
+                out.append([f"{provider} GEMM with fused epilogue vs {peer} and the rest of the "
                             "epilogue as torch ops (CUDA graph)",
                             f"{geomean(ratios):.2f}x geometric mean, {min(ratios):.2f}x-{max(ratios):.2f}x "
                             f"({len(found)} shapes)", _where(quant, rows)])

@@ -900,7 +900,8 @@ def test_bench_quant_measures_and_records_failures_on_a_cpu(monkeypatch):
         assert res.value(op="int8 gemm", provider=name, metric="rel err") < 1e-2
         assert res.value(op="int8 gemm", provider=name, metric="rel err vs bf16 math") < 5e-2
     failed = {(f["provider"], f["mode"]): f["error"] for f in res.failed}
-    assert failed == {(n, m): "no fp8 tensor cores here" for n in ("_scaled_mm", "_scaled_mm fast accum", "fuselab fp8")
+    assert failed == {(n, m): "no fp8 tensor cores here"
+                      for n in ("_scaled_mm", "_scaled_mm fast accum", "fuselab fp8", "fuselab fp8 fast accum")
                       for m in ("eager", "graph")}
     assert {r["provider"] for r in res.select(op="fp8 gemm")} == {"fuselab bf16"}
     monkeypatch.setattr(bench_quant, "fp8_unsupported", lambda device: None)
@@ -983,8 +984,17 @@ def test_report_states_the_issues_targets_met_or_missed():
     for provider, ms in (("fuselab bf16", 40.0), ("int8 fused norms", 30.0), ("fp8", 39.0)):
         quant.record(op="prefill", provider=provider, shape="opt-1.3b 8x1024", dtype="bf16", mode="wall", metric="ms",
                      value=ms)
+    for op, metric, values in (("int8 gemm", "TOP/s", {"_int_mm": 500.0, "fuselab int8": 1000.0, "fuselab bf16": 800.0}),
+                               ("fp8 gemm", "TFLOP/s", {"_scaled_mm": 1000.0, "fuselab fp8": 990.0,
+                                                        "_scaled_mm fast accum": 1200.0,
+                                                        "fuselab fp8 fast accum": 1260.0})):
+        for provider, value in values.items():
+            quant.record(op=op, provider=provider, shape="s", dtype="x", mode="graph", metric=metric, value=value)
     page = report.render_study(quant)
-    assert "| opt-1.3b 8x1024 |  | 1.33 met | 1.03 **missed** |  |" in page, page  # int8 dynamic and fp8 fused norms absent
+    # the measured quantized providers' columns only
+    assert "| prefill | int8 fused norms x fuselab bf16 (>= 1.3) | fp8 x fuselab bf16 (>= 1.3) |" in page, page
+    assert "| opt-1.3b 8x1024 | 1.33 met | 1.03 **missed** |" in page, page
+    assert "| s | graph | 2.00 met | 1.25 **missed** | 0.99 **missed** | 1.05 met |" in page, page
 
 
 def test_report_ratios_come_from_rows():

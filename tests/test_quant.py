@@ -372,9 +372,9 @@ def test_fp8_paths_agree(device, fast_accum):
 
 def test_fast_accum_is_checked():
     a, b, a_scale, b_scale = _operands(4, 16, 8, "fp8", "cpu")
-    for backend in ("auto", "torch"):
-        with pytest.raises(TypeError, match="fast_accum must be a bool, got 1"):
-            fp8_matmul(a, b, a_scale, b_scale, fast_accum=1, backend=backend)
+    for backend, value in (("auto", 1), ("torch", 1), ("auto", None), ("torch", None)):
+        with pytest.raises(TypeError, match=f"fast_accum must be a bool, got {value}"):
+            fp8_matmul(a, b, a_scale, b_scale, fast_accum=value, backend=backend)
     with pytest.raises(TypeError, match="fast_accum must be True or False"):
         Float8RowwiseConfig(fast_accum="yes")
     with pytest.raises(TypeError, match="fast_accum must be a bool"):

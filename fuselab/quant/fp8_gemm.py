@@ -97,6 +97,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor]
     epilogue. Raises RuntimeError on a CUDA GPU without fp8 tensor cores (below sm_89).
     Inference only: the op has no derivative.
     """
+    check_fast_accum("fp8_matmul", fast_accum)  # before call(), which takes None for "not given"
     if out_dtype is None:
         out_dtype = torch.float32
     return call(torch.ops.fuselab.fp8_matmul_epilogue, _torch_forward, _check_for_triton, a, b, a_scale, b_scale,

@@ -18,8 +18,8 @@ reads before it times anything (``fuselab.kernels._autotune``).
     python -m fuselab.tune --first-call --kernel scaled_gemm --dtypes int8,fp8   # the quantized GEMM's
     python -m fuselab.tune --plot runs/tune-NVIDIA_H200.json --plot-dir docs/results/tune
 
-The default grid on one H200, estimated (not measured): 152 problems (22 of them the quantized GEMM's)
-launch about 310 tuning keys; ~310 keys x ~13 pruned configs x ~0.05 s to time each (do_bench: 5
+The default grid on one H200, estimated (not measured): 160 problems (30 of them the quantized GEMM's)
+launch about 320 tuning keys; ~320 keys x ~13 pruned configs x ~0.05 s to time each (do_bench: 5
 estimating calls, 5 ms of warmup, 25 ms of timed calls) is ~3 minutes, the ~340 cuBLAS baselines well
 under one; plus ~300 compiles (one per config and kind of launch: dtype, layout, product, flags, sizes'
 divisibility by 16) at ~1.5 s each, ~7 minutes in one process or ~1 minute over ``--jobs 8``: ~5 minutes

@@ -486,8 +486,9 @@ def summary(results: Results) -> str:
         if "config" not in r and choice is not None and choice["shape"] == r["shape"] and r["p50"] > 0:
             ratios.setdefault(r["op"], []).append(r["p50"] / choice["p50"])
     lines = [f"{len(best)} tuning keys timed; the best config's speed relative to the baseline (above 1: faster):"]
+    width = max(map(len, ratios), default=0)
     for op, values in sorted(ratios.items()):
         geo = math.exp(sum(math.log(v) for v in values) / len(values))
-        lines.append(f"  {op:<16} x{geo:.2f} {results.baselines[op]} (geomean of {len(values)} problems; "
+        lines.append(f"  {op:<{width}} x{geo:.2f} {results.baselines[op]} (geomean of {len(values)} problems; "
                      f"{min(values):.2f} to {max(values):.2f})")
     return "\n".join(lines)

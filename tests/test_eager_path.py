@@ -117,6 +117,24 @@ def test_plans_are_keyed_by_every_layout_detail(ext):
 
 
 @pytest.mark.slow
+def test_launch_planned_finds_a_kernel_plan_by_its_key_ints_and_layouts(ext):
+    # The quantized GEMM's entry (fuselab.quant._scaled_gemm): the key is built in C++ from the ints and layouts
+    ext.clear_plans()
+    key = [eager_path.SCALED_GEMM_KIND, -1, 1, 2, 0]  # kind, device, relu, out dtype, fast_accum
+    a, b = torch.zeros(16, 32, dtype=torch.int8), torch.zeros(8, 32, dtype=torch.int8).t()
+    args = [a, b, torch.zeros(16, 8, dtype=torch.bfloat16), torch.zeros(16), torch.zeros(8), None, None]
+    assert not ext.launch_planned(key, args) and not eager_path.launch_planned(key, args)  # nothing planned yet
+    ext.register_library_plan(key, args, eager_path.LIBRARY_CALLS["cublas"])
+    assert not ext.launch_planned(key, args)  # a library plan: Python repeats its call
+    ext.register_plan(key, args, 0, 0, [1, 1, 1], 4, 0, 0, [0] * 9, [0, 1, 2, 3, 4])
+    assert not ext.launch_planned(key, [a, b.contiguous(), *args[2:]])  # another layout
+    assert not ext.launch_planned([eager_path.SCALED_GEMM_KIND, -1, 1, 2, 1], args)  # fast_accum: another kernel
+    with pytest.raises(RuntimeError, match="CUDA"):  # found and launched: that needs a GPU
+        ext.launch_planned(key, args)
+    ext.clear_plans()
+
+
+@pytest.mark.slow
 def test_a_full_store_is_emptied_and_python_hands_its_plans_over_again(ext, monkeypatch):
     # The C++ store is bounded: the registration that empties it says so, and Python then forgets which of its
     # plans it had handed over (else those layouts would never reach the C++ path again).

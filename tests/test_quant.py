@@ -1178,6 +1178,37 @@ def test_fp8_gpu_realistic(M, K, N, fast_accum):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["int8", "int8 static, int8 output", "fp8", "fp8 fast_accum"])
+def test_repeated_eager_calls_launch_through_the_cpp_path(case, monkeypatch):
+    # A layout's second call is one C++ call (key and launch: eager_path.launch_planned); its result must be the
+    # Python path's bit for bit, and Python's own planned launch must not run
+    from fuselab.kernels import eager_path
+
+    kind = case.split()[0]
+    _skip_fp8_without_hardware("cuda", kind)
+    if eager_path._load() is None:
+        pytest.fail("the C++ eager path did not load on this GPU machine")
+    a, b, a_scale, b_scale = _operands(300, 256, 192, kind, "cuda")
+    bias = torch.randn(192, device="cuda", dtype=torch.bfloat16)
+    if kind == "int8":
+        static = "static" in case
+        scale = torch.tensor(0.02, device="cuda") if static else a_scale
+        extra = {"out_scale": torch.tensor(0.05, device="cuda")} if "output" in case else {}
+        call = functools.partial(int8_matmul, a, b, scale, b_scale, bias, True, torch.bfloat16, **extra)
+    else:
+        call = functools.partial(fp8_matmul, a, b, a_scale, b_scale, bias, True, torch.bfloat16,
+                                 fast_accum="fast_accum" in case)
+    with eager_path.disabled():
+        expected = call()
+    runtime_launches = []
+    real = scaled_gemm.launch_planned
+    monkeypatch.setattr(scaled_gemm, "launch_planned", lambda *a, **k: runtime_launches.append(1) or real(*a, **k))
+    first, second = call(), call()
+    assert len(runtime_launches) == 1  # the first call planned in Python (and handed the plan to C++) only
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", ["int8-dynamic", "int8-static", "fp8"])
 def test_quantized_model_gpu_compiled(config):
     _skip_fp8_without_hardware("cuda", "fp8" if config == "fp8" else "int8")

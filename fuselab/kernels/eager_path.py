@@ -42,6 +42,8 @@ GEMM_KIND = 1
 # The first int of a SparseAdamW launch's key and its launch indices (sort, segment, crossing); eager_path.cpp's.
 SPARSE_ADAMW_KIND = 2
 SPARSE_ADAMW_LAUNCHES = (0, 100, 101)
+# The first int of the quantized GEMM's key (fuselab.quant._scaled_gemm), launched by ``launch_planned``.
+SCALED_GEMM_KIND = 3
 # The library calls a plan may stand for (``_autotune.LibraryChoice`` names), as eager_path.cpp numbers them.
 LIBRARY_CALLS = {"cublas": 1}
 
@@ -69,6 +71,15 @@ def sparse_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
     if torch.compiler.is_compiling() or extension is None:
         return False
     return extension.sparse_adamw_step(param, exp_avg, exp_avg_sq, indices, values, step, floats, maximize)
+
+
+def launch_planned(key_ints: Sequence[int], tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Launch the kernel plan registered (``register_plan``) under ``key_ints`` and the layouts of ``tensors``
+    (the kernel's tensor arguments in order, Nones included) on ``tensors``, in one C++ call; False, with
+    nothing launched, where the path is not loaded or holds no such plan (the caller's Python path then runs)."""
+    if torch.compiler.is_compiling() or extension is None:
+        return False
+    return extension.launch_planned(list(key_ints), list(tensors))
 
 
 def may_plan() -> bool:
@@ -177,11 +188,12 @@ def _load():
         warnings.warn(f"fuselab: the C++ eager path could not be built, eager calls take the Python path "
                       f"(more host time per call): {e}", RuntimeWarning, stacklevel=3)
         return None
-    built = (ext.GEMM_KIND, ext.LIBRARY_CALLS, ext.SPARSE_ADAMW_KIND, tuple(ext.SPARSE_ADAMW_LAUNCHES))
-    expected = (GEMM_KIND, LIBRARY_CALLS, SPARSE_ADAMW_KIND, SPARSE_ADAMW_LAUNCHES)
+    built = (ext.GEMM_KIND, ext.LIBRARY_CALLS, ext.SPARSE_ADAMW_KIND, tuple(ext.SPARSE_ADAMW_LAUNCHES),
+             ext.SCALED_GEMM_KIND)
+    expected = (GEMM_KIND, LIBRARY_CALLS, SPARSE_ADAMW_KIND, SPARSE_ADAMW_LAUNCHES, SCALED_GEMM_KIND)
     if built != expected:
         raise RuntimeError(f"fuselab: {SOURCE.name} was built with (GEMM_KIND, library calls, SPARSE_ADAMW_KIND, "
-                           f"its launches) {built}, expected {expected}")
+                           f"its launches, SCALED_GEMM_KIND) {built}, expected {expected}")
     from fuselab.kernels import sparse_adamw
     from fuselab.kernels.matmul_relu_triton import _gemm
 

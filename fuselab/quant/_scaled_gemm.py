@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels import eager_path
 from fuselab.kernels._autotune import autotune, bucket
 from fuselab.kernels._casts import cast_rne
 from fuselab.kernels._gemm_tiles import gemm_config, needs_int64, tile_coords, tile_pointers, tma_layout
@@ -260,6 +261,7 @@ def _plan_key(tensors, relu, out_dtype, fast_accum) -> tuple:
 
 # The epilogue's float result as the kernel casts it (OUT_DTYPE); int32: the raw accumulators
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.int32: tl.int32}
+_OUT_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_TL_DTYPES)}  # out_dtype in the C++ path's key
 
 
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Optional[torch.Tensor],
@@ -283,10 +285,15 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
     out_dtype = c.dtype if out_scale is None else out_dtype
     tensors = (a, b, c, a_scale, b_scale, bias, out_scale)
     present = [t for t in tensors if t is not None]
-    plan_key = None
+    plan_key = cpp_key = None
     if config is None and not INTERPRET and untraced(*present):  # a repeated eager call skips the rest
+        if eager_path.may_plan():  # the C++ path builds the key and launches in one call, once planned
+            cpp_key = ((eager_path.SCALED_GEMM_KIND, a.get_device(), int(relu), _OUT_DTYPE_CODES[out_dtype],
+                        int(fast_accum)), tensors)
+            if eager_path.launch_planned(*cpp_key):
+                return
         plan_key = _plan_key(tensors, relu, out_dtype, fast_accum)
-        if launch_planned(plan_key, *present):
+        if launch_planned(plan_key, *present, cpp_key=cpp_key):
             return
 
     tma_ok = _tma_ok(a, b, c) and K > 0
@@ -309,7 +316,7 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: Opti
            INT8=a.dtype == torch.int8, FAST_ACCUM=fast_accum, SCALED=a_scale is not None, HAS_BIAS=bias is not None,
            RELU=relu, OUT_DTYPE=_TL_DTYPES[out_dtype], QUANT_OUT=out_scale is not None,
            INT64=needs_int64(a, b, c, a_scale, b_scale, bias), TMA_OK=tma_ok, NUM_SMS=sms, plan_key=plan_key,
-           **meta)
+           cpp_key=cpp_key, **meta)
 
 
 def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:

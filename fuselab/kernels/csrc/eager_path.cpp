@@ -42,6 +42,9 @@ constexpr int kLibraryCublas = 1;
 
 // The first int of a SparseAdamW launch's key (then device, launch index, maximize, the update's constants).
 constexpr int64_t kSparseAdamWKind = 2;
+// The first int of the quantized GEMM's key (then device, relu, output dtype, fast_accum): _scaled_gemm.py's,
+// launched through `launch_planned` below.
+constexpr int64_t kScaledGemmKind = 3;
 
 using Key = std::vector<int64_t>;
 
@@ -104,7 +107,7 @@ LaunchKernelEx launch_kernel_ex() {
 
 // The launch Triton's own launcher makes for such a kernel (cuLaunchKernelEx, no attributes), on the
 // current stream of the plan's device.
-void launch(const Plan& plan, std::initializer_list<const Tensor*> tensors,
+void launch(const Plan& plan, const std::vector<const Tensor*>& tensors,
             const std::vector<uint32_t>& floats = {}) {
   std::vector<uint64_t> values = plan.params;
   size_t i = 0;
@@ -462,6 +465,23 @@ bool register_library_plan(std::vector<int64_t> key_ints, std::vector<std::optio
   return cleared;
 }
 
+// The kernel plan stored under `key_ints` and the layouts of `tensors` (the kernel's tensor arguments in order,
+// None for an absent one), launched on them; false, with nothing launched, where there is none (a library plan
+// included: Python repeats its call).
+bool launch_planned(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> tensors) {
+  Key key = std::move(key_ints);
+  std::vector<const Tensor*> arguments;
+  arguments.reserve(tensors.size());
+  for (auto& t : tensors) {
+    append_layout(key, t ? &*t : nullptr);
+    arguments.push_back(t ? &*t : nullptr);
+  }
+  auto plan = find_plan(key);
+  if (plan == nullptr || plan->library != 0) return false;
+  launch(*plan, arguments);
+  return true;
+}
+
 bool has_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors) {
   Key key = std::move(key_ints);
   for (auto& t : key_tensors) append_layout(key, t ? &*t : nullptr);
@@ -479,6 +499,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   parameter_type = reinterpret_cast<PyTypeObject*>(py::module::import("torch.nn").attr("Parameter").ptr());
   m.attr("GEMM_KIND") = kGemmKind;
   m.attr("SPARSE_ADAMW_KIND") = kSparseAdamWKind;
+  m.attr("SCALED_GEMM_KIND") = kScaledGemmKind;
   m.attr("SPARSE_ADAMW_LAUNCHES") = py::make_tuple(kSortLaunch, kSegmentLaunch, kCrossingLaunch);
   m.def("sparse_adamw_step", &sparse_adamw_step);
   m.def("set_sparse_constants", [](int64_t chunk, int64_t sort_block, int64_t sort_sub, int64_t fan,
@@ -493,6 +514,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("tensor_params"), py::arg("float_params") = std::vector<int>{});
   m.def("register_library_plan", &register_library_plan);
   m.def("has_plan", &has_plan);
+  m.def("launch_planned", &launch_planned);
   m.def("gemm", [](const Tensor& a, const Tensor& b, const Tensor& c, std::optional<Tensor> bias, bool relu) {
     gemm(a, b, c, bias ? &*bias : nullptr, relu);  // a planned GEMM as the autograd node runs it (tests)
   });

@@ -8,7 +8,9 @@ launch plan, as AOTInductor launches Triton kernels). Its backward is C++ too.
 
 SparseAdamW's eager step takes the same road (``sparse_adamw_step``): the count, the sort's and the update's
 planned launches and the row-id guard, in one C++ call (its plans: ``SPARSE_ADAMW_KIND``), for steps of up to
-``sparse_adamw.TRITON_SORT_MAX`` lookups (longer ones sort by torch.sort, in Python).
+``sparse_adamw.TRITON_SORT_MAX`` lookups (longer ones sort by torch.sort, in Python). The quantized GEMM
+(``fuselab.quant``) launches its planned kernels by ``launch_planned`` (its plans: ``SCALED_GEMM_KIND``): its
+checks stay in Python, the key and the launch are one C++ call.
 
 Python keeps everything else: Triton compiles and the autotuner chooses; each eager launch that
 Python's ``_gemm`` makes is registered here (``register_plan``) under a key of the tensors' layouts

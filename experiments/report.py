@@ -22,7 +22,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from experiments.harness import RESULTS, ROOT, Results, geomean, markdown_table
 from fuselab._results import NotResults
@@ -191,6 +191,12 @@ def _targets_table(header: List[str], lines: List[list]) -> List[str]:
     return ["### The issues' targets", "", markdown_table(header, lines), ""] if lines else []
 
 
+def _gpus(res: Results, rows: Iterable[dict]) -> str:
+    """The GPUs (or devices) whose runs measured ``rows``: a target is stated for one GPU."""
+    return ", ".join(dict.fromkeys(str(res.runs.get(r["run"], {}).get("gpu") or r.get("device") or "?")
+                                   for r in rows))
+
+
 # Issue 20's GEMM targets: (op, provider, peer, at least), each ratio of one run and mode
 GEMM_TARGETS = [("int8 gemm", "fuselab int8", "_int_mm", 1.05), ("int8 gemm", "fuselab int8", "fuselab bf16", 1.4),
                 ("fp8 gemm", "fuselab fp8", "_scaled_mm", 1.0),
@@ -199,16 +205,17 @@ GEMM_TARGETS = [("int8 gemm", "fuselab int8", "_int_mm", 1.05), ("int8 gemm", "f
 
 def quant_targets(res: Results) -> List[str]:
     """Issue 20: the 8-bit GEMMs against their peers (``GEMM_TARGETS``), then the quantized prefills."""
-    columns, cells = [], {}
+    columns, cells, measured = [], {}, {}
     for op, provider, peer, least in GEMM_TARGETS:
         column = f"{provider} x {peer} (>= {least:g})"
         columns.append(column)
         metric = "TOP/s" if op == "int8 gemm" else "TFLOP/s"
-        for (shape, _, mode), (ratio, _) in _ratio_rows(res, op, provider, peer, metric).items():
+        for (shape, _, mode), (ratio, rows) in _ratio_rows(res, op, provider, peer, metric).items():
             cells[(shape, mode, column)] = _verdict(ratio, ratio >= least)
-    lines = [[shape, mode, *(cells.get((shape, mode, c), "") for c in columns)]
-             for shape, mode in dict.fromkeys((shape, mode) for shape, mode, _ in cells)]
-    gemms = _targets_table(["shape", "mode", *columns], lines)
+            measured.setdefault((shape, mode), []).extend(rows)
+    lines = [[shape, mode, *(cells.get((shape, mode, c), "") for c in columns), _gpus(res, rows)]
+             for (shape, mode), rows in measured.items()]
+    gemms = _targets_table(["shape", "mode", *columns, "GPU"], lines)
     prefill = prefill_targets(res)
     return gemms + prefill[2:] if gemms and prefill else gemms or prefill
 
@@ -223,8 +230,9 @@ def prefill_targets(res: Results) -> List[str]:
         times = [_p50(res, shape, "prefill", q, "wall") for q in quantized]
         speedups = [base / t if base and t else None for t in times]
         if any(x is not None for x in speedups):
-            lines.append([shape, *(_verdict(x, x is not None and x >= 1.3) for x in speedups)])
-    return _targets_table(["prefill", *(f"{q} x fuselab bf16 (>= 1.3)" for q in quantized)], lines)
+            lines.append([shape, *(_verdict(x, x is not None and x >= 1.3) for x in speedups),
+                          _gpus(res, [r for r in rows if r["shape"] == shape])])
+    return _targets_table(["prefill", *(f"{q} x fuselab bf16 (>= 1.3)" for q in quantized), "GPU"], lines)
 
 
 def sparse_targets(res: Results) -> List[str]:
@@ -243,10 +251,11 @@ def sparse_targets(res: Results) -> List[str]:
         uniform = _verdict(base / eager, base / eager >= 3) if shape.startswith("uniform") else ""
         lines.append([shape, _verdict(eager / base, eager / base <= 0.5),
                       _verdict(graph_ratio, graph_ratio is not None and graph_ratio <= 0.2),
-                      _verdict(floor, floor is not None and floor <= 2), uniform])
+                      _verdict(floor, floor is not None and floor <= 2), uniform,
+                      _gpus(res, select(res.rows, op="fwd+bwd+step", shape=shape))])
     return _targets_table(["stream", "eager / SparseAdam eager (<= 0.5)", "graph / SparseAdam eager (<= 0.2)",
-                           "step alone, graph, x floor (<= 2)", "SparseAdam / SparseAdamW eager, uniform (>= 3)"],
-                          lines)
+                           "step alone, graph, x floor (<= 2)", "SparseAdam / SparseAdamW eager, uniform (>= 3)",
+                           "GPU"], lines)
 
 
 SPECS: Dict[str, Spec] = {

@@ -995,6 +995,7 @@ def test_report_states_the_issues_targets_met_or_missed():
     assert "| prefill | int8 fused norms x fuselab bf16 (>= 1.3) | fp8 x fuselab bf16 (>= 1.3) |" in page, page
     assert "| opt-1.3b 8x1024 | 1.33 met | 1.03 **missed** |" in page, page
     assert "| s | graph | 2.00 met | 1.25 **missed** | 0.99 **missed** | 1.05 met |" in page, page
+    assert page.count("(>= 1.3) | GPU |") == 1 and page.count("(>= 1) | GPU |") == 1, page  # each target's GPU
 
 
 def test_report_ratios_come_from_rows():

@@ -78,10 +78,9 @@ def sparse_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
 def launch_planned(key_ints: Sequence[int], tensors: Sequence[Optional[torch.Tensor]]) -> bool:
     """Launch the kernel plan registered (``register_plan``) under ``key_ints`` and the layouts of ``tensors``
     (the kernel's tensor arguments in order, Nones included) on ``tensors``, in one C++ call; False, with
-    nothing launched, where the path is not loaded or holds no such plan (the caller's Python path then runs)."""
-    if torch.compiler.is_compiling() or extension is None:
-        return False
-    return extension.launch_planned(list(key_ints), list(tensors))
+    nothing launched, where the path is not loaded or holds no such plan (the caller's Python path then runs).
+    Eager only, as ``_runtime.launch_planned``: the caller has checked that nothing traces the call."""
+    return extension is not None and extension.launch_planned(list(key_ints), list(tensors))
 
 
 def may_plan() -> bool:

@@ -259,13 +259,10 @@ class ScaledGemm:
             int8_matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"], True, torch.bfloat16,
                         out_scale=t["out_scale"], backend="triton")
             return
-        if op == "fwd-fastaccum":  # fp8 only
-            fp8_matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"], False, torch.bfloat16, fast_accum=True,
-                       backend="triton")
-            return
-        matmul = int8_matmul if t["a"].dtype == torch.int8 else fp8_matmul
-        matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], t["bias"] if op == "fwd" else None, False, torch.bfloat16,
-               backend="triton")
+        fp8 = {} if t["a"].dtype == torch.int8 else {"fast_accum": op == "fwd-fastaccum"}  # fwd-fastaccum: fp8 only
+        matmul = fp8_matmul if fp8 else int8_matmul
+        matmul(t["a"], t["b"], t["a_scale"], t["b_scale"], None if op == "fwd-nobias" else t["bias"], False,
+               torch.bfloat16, backend="triton", **fp8)
 
     def launches(self, problem: Problem, device, fill: Callable, execute: bool) -> List[Launch]:
         tuner, out = self.tuner(), []

@@ -136,6 +136,52 @@ def test_launch_planned_finds_a_kernel_plan_by_its_key_ints_and_layouts(ext):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quantized_output", [False, True])
+def test_the_quantized_gemm_call_finds_the_plan_python_registered(ext, quantized_output):
+    # eager_path.scaled_gemm builds in C++ what _scaled_gemm.call and scaled_gemm build in Python before a launch:
+    # a's rows flattened, the scales as vectors, the output; the plan Python registered under that key is found
+    if torch.cuda.is_available():
+        pytest.skip("a found plan is launched: CPU hosts only (the GPU tests launch real plans)")
+    sg = importlib.import_module("fuselab.quant._scaled_gemm")
+    ext.clear_plans()
+    a, b = torch.zeros(2, 8, 32, dtype=torch.int8), torch.zeros(24, 32, dtype=torch.int8).t()
+    a_scale, b_scale = torch.ones(2, 8, 1), torch.ones(1, 24)  # per row with a trailing 1; per column as (1, N)
+    bias = torch.zeros(24, dtype=torch.bfloat16)
+    out_scale = torch.tensor(0.5) if quantized_output else None
+    code = sg._OUT_DTYPE_CODES[torch.bfloat16]
+    c = torch.empty(16, 24, dtype=torch.int8 if quantized_output else torch.bfloat16)
+    tensors = [a.reshape(16, 32), b, c, sg._as_vector(a_scale, (2, 8), "a_scale"),
+               sg._as_vector(b_scale, (24,), "b_scale"), bias, out_scale]
+    key = [eager_path.SCALED_GEMM_KIND, -1, 1, code, 0]  # kind, device (a CPU's), relu, out dtype, fast_accum
+    present = [t for t in tensors if t is not None]
+    ext.register_plan(key, tensors, 0, 0, [1, 1, 1], 4, 0, 0, [0] * 10, list(range(len(present))))
+
+    def call(a=a, a_scale=a_scale, b_scale=b_scale, bias=bias, relu=True, out_dtype=torch.bfloat16, fast=False):
+        return ext.scaled_gemm(a, b, a_scale, b_scale, bias, relu, out_dtype, sg._OUT_DTYPE_CODES[out_dtype],
+                               out_scale, fast, cuda_only=False)
+
+    launch_failed = (RuntimeError, torch.AcceleratorError)  # torch raises the latter for a first CUDA call
+    with pytest.raises(launch_failed, match="CUDA"):  # found, then launched: a CPU has no CUDA driver
+        call()
+    with pytest.raises(launch_failed, match="CUDA"):  # the same rows given 2-D, the scales as (M,) and (N,)
+        call(a=a.reshape(16, 32), a_scale=a_scale.reshape(16), b_scale=b_scale.reshape(24))
+    assert call(a_scale=a_scale.reshape(8, 2)) is None  # a shape _as_vector refuses: Python names it
+    with pytest.raises(launch_failed, match="CUDA"):  # (N, 1): Python takes that shape too
+        call(b_scale=b_scale.t())
+    assert call(b_scale=b_scale.reshape(2, 12)) is None  # refused by Python, which names it
+    assert call(a_scale=torch.ones(1)) is None  # one scale for all rows: a stride-0 vector, another layout
+    assert call(relu=False) is None and call(fast=True) is None and call(bias=None) is None  # other keys
+    assert call(out_dtype=torch.float16) is None
+    assert call(a=a.to(torch.float8_e4m3fn)) is None  # b is int8: the dtypes differ
+    assert call(bias=bias.float()) is None  # a bias dtype not planned
+    assert ext.scaled_gemm(a, b, None, None, None, False, torch.int32, sg._OUT_DTYPE_CODES[torch.int32], None, False,
+                           cuda_only=False) is None  # unscaled: the raw accumulators stay Python's
+    assert ext.scaled_gemm(a, b, a_scale, b_scale, bias, True, torch.bfloat16, code, out_scale, False) is None  # CPU
+    assert ext.scaled_gemm(a, b, a_scale, b_scale, bias, True, "bf16", code, out_scale, False, cuda_only=False) is None
+    ext.clear_plans()
+
+
+@pytest.mark.slow
 def test_a_full_store_is_emptied_and_python_hands_its_plans_over_again(ext, monkeypatch):
     # The C++ store is bounded: the registration that empties it says so, and Python then forgets which of its
     # plans it had handed over (else those layouts would never reach the C++ path again).

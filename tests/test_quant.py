@@ -1180,8 +1180,8 @@ def test_fp8_gpu_realistic(M, K, N, fast_accum):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["int8", "int8 static, int8 output", "fp8", "fp8 fast_accum"])
 def test_repeated_eager_calls_launch_through_the_cpp_path(case, monkeypatch):
-    # A layout's second call is one C++ call (key and launch: eager_path.launch_planned); its result must be the
-    # Python path's bit for bit, and Python's own planned launch must not run
+    # A layout's second call is one C++ call (eager_path.scaled_gemm: output, key and launch); its result must be
+    # the Python path's bit for bit, and Python's own launcher must not run; 3-D rows too
     from fuselab.kernels import eager_path
 
     kind = case.split()[0]
@@ -1198,14 +1198,49 @@ def test_repeated_eager_calls_launch_through_the_cpp_path(case, monkeypatch):
     else:
         call = functools.partial(fp8_matmul, a, b, a_scale, b_scale, bias, True, torch.bfloat16,
                                  fast_accum="fast_accum" in case)
+    scale_3d = call.args[2].reshape(3, 100, 1) if call.args[2].numel() > 1 else call.args[2]
+    rows = functools.partial(call.func, a.reshape(3, 100, 256), b, scale_3d, *call.args[3:], **call.keywords)
     with eager_path.disabled():
-        expected = call()
-    runtime_launches = []
-    real = scaled_gemm.launch_planned
+        expected, expected_rows = call(), rows()
+    runtime_launches, python_calls = [], []
+    real, real_python = scaled_gemm.launch_planned, scaled_gemm.scaled_gemm
     monkeypatch.setattr(scaled_gemm, "launch_planned", lambda *a, **k: runtime_launches.append(1) or real(*a, **k))
+    monkeypatch.setattr(scaled_gemm, "scaled_gemm", lambda *a, **k: python_calls.append(1) or real_python(*a, **k))
     first, second = call(), call()
     assert len(runtime_launches) == 1  # the first call planned in Python (and handed the plan to C++) only
+    assert len(python_calls) == 1  # the second was one C++ call (eager_path.scaled_gemm): output, key, launch
     assert torch.equal(first, expected) and torch.equal(second, expected)
+    first, second = rows(), rows()  # the same rows as (3, 100, K), scales per (batch, row): the same plan
+    assert len(python_calls) == 1 and torch.equal(first, expected_rows) and torch.equal(second, expected_rows)
+
+
+def test_the_quantized_gemm_tries_the_cpp_call_first_and_only_where_it_may(monkeypatch):
+    # eager_path.scaled_gemm answers a planned layout in one C++ call; its answer is returned as it is, None
+    # leaves the call to Python, and arguments the C++ call cannot take as Python would never reach it
+    from fuselab.kernels import eager_path
+
+    asked = []
+    answer = {"out": None}
+
+    def cpp(*args):
+        asked.append(args)
+        return answer["out"]
+
+    monkeypatch.setattr(eager_path, "scaled_gemm", cpp)
+    a, b, a_scale, b_scale = _operands(6, 32, 8, "int8", "cpu")
+    expected = int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32, backend="torch")
+    assert torch.equal(int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32), expected)  # None: Python's
+    assert len(asked) == 1 and asked[0][5:10] == (True, torch.float32, scaled_gemm._OUT_DTYPE_CODES[torch.float32],
+                                                  None, False)
+    answer["out"] = sentinel = torch.full((6, 8), 7.0)
+    assert int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32) is sentinel
+    int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32, backend="torch")
+    int8_matmul(a, b, a_scale, b_scale, None, 1, torch.float32)  # relu not a bool: Python's path
+    with pytest.raises(TypeError, match="out_dtype"):
+        int8_matmul(a, b, a_scale, b_scale, None, True, "bf16")
+    with pytest.raises(TypeError, match="fast_accum"):
+        fp8_matmul(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), a_scale, b_scale, fast_accum=None)
+    assert len(asked) == 2
 
 
 @pytest.mark.gpu

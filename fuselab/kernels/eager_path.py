@@ -9,8 +9,8 @@ launch plan, as AOTInductor launches Triton kernels). Its backward is C++ too.
 SparseAdamW's eager step takes the same road (``sparse_adamw_step``): the count, the sort's and the update's
 planned launches and the row-id guard, in one C++ call (its plans: ``SPARSE_ADAMW_KIND``), for steps of up to
 ``sparse_adamw.TRITON_SORT_MAX`` lookups (longer ones sort by torch.sort, in Python). The quantized GEMM
-(``fuselab.quant``) launches its planned kernels by ``launch_planned`` (its plans: ``SCALED_GEMM_KIND``): its
-checks stay in Python, the key and the launch are one C++ call.
+(``fuselab.quant``) takes it too (``scaled_gemm``, its plans: ``SCALED_GEMM_KIND``): a repeated eager call's rows,
+scales, output, key and launch are one C++ call; Python's checks and launch plans serve a layout's first call.
 
 Python keeps everything else: Triton compiles and the autotuner chooses; each eager launch that
 Python's ``_gemm`` makes is registered here (``register_plan``) under a key of the tensors' layouts
@@ -73,6 +73,17 @@ def sparse_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
     if torch.compiler.is_compiling() or extension is None:
         return False
     return extension.sparse_adamw_step(param, exp_avg, exp_avg_sq, indices, values, step, floats, maximize)
+
+
+def scaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype, out_dtype_code: int,
+                out_scale: Optional[torch.Tensor], fast_accum: bool) -> Optional[torch.Tensor]:
+    """The quantized GEMM's eager call (``fuselab.quant._scaled_gemm.call``: rows flattened, scales as vectors,
+    the output, the planned launch) in one C++ call, or None where the Python path must serve it (and check it):
+    no plan for these layouts yet, no scales, tensor subclasses, modes, tracing."""
+    if torch.compiler.is_compiling() or extension is None:
+        return None
+    return extension.scaled_gemm(a, b, a_scale, b_scale, bias, relu, out_dtype, out_dtype_code, out_scale, fast_accum)
 
 
 def launch_planned(key_ints: Sequence[int], tensors: Sequence[Optional[torch.Tensor]]) -> bool:

@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
 #include <dlfcn.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/forward_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -317,6 +318,66 @@ py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The quantized GEMM's eager call (fuselab.quant._scaled_gemm.call): rows, scales, output, planned launch
+// ---------------------------------------------------------------------------------------------
+
+// A scale as _scaled_gemm._as_vector makes it for `n` rows or columns (`shape`: a's leading dims, or (N,)):
+// one value for all (stride 0), or one each given as `shape`, (n,), (*shape, 1) or, for b, (1, n); undefined
+// for any other shape (Python names it).
+Tensor scale_vector(const Tensor& scale, c10::IntArrayRef shape, int64_t n, bool column) {
+  if (scale.numel() == 1) return scale.reshape({1}).expand({n});
+  c10::IntArrayRef sizes = scale.sizes();
+  bool one_each = sizes.equals(shape) || (sizes.size() == 1 && sizes[0] == n) ||
+                  (sizes.size() == shape.size() + 1 && sizes.back() == 1 && sizes.slice(0, shape.size()).equals(shape)) ||
+                  (column && sizes.size() == 2 && sizes[0] == 1 && sizes[1] == n);
+  return one_each ? scale.reshape({n}) : Tensor();
+}
+
+// A plan exists only for layouts the Python path accepted (dtypes, shapes and strides are in the key), so
+// what is checked here is what the key leaves out: tensor kinds, modes, devices, scale shapes. None where
+// Python must serve the call: an unscaled GEMM, an empty one, a layout not planned yet, anything unusual.
+py::object scaled_gemm(py::handle a_obj, py::handle b_obj, py::handle a_scale_obj, py::handle b_scale_obj,
+                       py::handle bias_obj, bool relu, py::handle out_dtype_obj, int64_t out_dtype_code,
+                       py::handle out_scale_obj, bool fast_accum, bool cuda_only) {
+  const Tensor* a_ptr = plain_tensor(a_obj);
+  const Tensor* b_ptr = plain_tensor(b_obj);
+  const Tensor* a_scale_ptr = plain_tensor(a_scale_obj);
+  const Tensor* b_scale_ptr = plain_tensor(b_scale_obj);
+  const Tensor* bias = bias_obj.is_none() ? nullptr : plain_tensor(bias_obj);
+  const Tensor* out_scale = out_scale_obj.is_none() ? nullptr : plain_tensor(out_scale_obj);
+  if (!a_ptr || !b_ptr || !a_scale_ptr || !b_scale_ptr || (!bias_obj.is_none() && !bias) ||
+      (!out_scale_obj.is_none() && !out_scale) || !THPDtype_Check(out_dtype_obj.ptr())) {
+    return py::none();
+  }
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled()) {
+    return py::none();
+  }
+  const Tensor &a = *a_ptr, &b = *b_ptr;
+  if ((cuda_only && !a.is_cuda()) || a.dim() < 1 || b.dim() != 2 || b.size(0) != a.size(-1)) return py::none();
+  for (const Tensor* t : {&a, &b, a_scale_ptr, b_scale_ptr, bias, out_scale}) {
+    if (t && (t->device() != a.device() || t->layout() != at::kStrided || transformed(*t))) return py::none();
+  }
+  int64_t k = a.size(-1), n = b.size(1), m = k > 0 ? a.numel() / k : 0;
+  if (m == 0 || n == 0 || k == 0) return py::none();
+  c10::IntArrayRef rows_shape = a.sizes().slice(0, a.dim() - 1);
+  Tensor a_scale = scale_vector(*a_scale_ptr, rows_shape, m, false);
+  std::array<int64_t, 1> columns{n};
+  Tensor b_scale = scale_vector(*b_scale_ptr, columns, n, true);
+  if (!a_scale.defined() || !b_scale.defined()) return py::none();
+  Tensor a2 = a.dim() == 2 ? a : a.reshape({m, k});
+  at::ScalarType result = out_scale ? at::kChar : reinterpret_cast<THPDtype*>(out_dtype_obj.ptr())->scalar_type;
+  Tensor c = at::empty({m, n}, a.options().dtype(result));
+  Key key{kScaledGemmKind, a.get_device(), relu, out_dtype_code, fast_accum};
+  key.reserve(96);
+  const std::vector<const Tensor*> arguments{&a2, &b, &c, &a_scale, &b_scale, bias, out_scale};
+  for (const Tensor* t : arguments) append_layout(key, t);
+  auto plan = find_plan(key);
+  if (plan == nullptr || plan->library != 0) return py::none();
+  launch(*plan, arguments);
+  return py::cast(a.dim() == 2 ? c : c.view(with_last(a, n)));
+}
+
+// ---------------------------------------------------------------------------------------------
 // SparseAdamW's eager step: count it, sort the ids, update (kernels/sparse_adamw.py's order)
 // ---------------------------------------------------------------------------------------------
 
@@ -515,6 +576,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_library_plan", &register_library_plan);
   m.def("has_plan", &has_plan);
   m.def("launch_planned", &launch_planned);
+  m.def("scaled_gemm", &scaled_gemm, py::arg("a"), py::arg("b"), py::arg("a_scale"), py::arg("b_scale"),
+        py::arg("bias"), py::arg("relu"), py::arg("out_dtype"), py::arg("out_dtype_code"), py::arg("out_scale"),
+        py::arg("fast_accum"), py::arg("cuda_only") = true);
   m.def("gemm", [](const Tensor& a, const Tensor& b, const Tensor& c, std::optional<Tensor> bias, bool relu) {
     gemm(a, b, c, bias ? &*bias : nullptr, relu);  // a planned GEMM as the autograd node runs it (tests)
   });

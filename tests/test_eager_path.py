@@ -156,9 +156,10 @@ def test_the_quantized_gemm_call_finds_the_plan_python_registered(ext, quantized
     present = [t for t in tensors if t is not None]
     ext.register_plan(key, tensors, 0, 0, [1, 1, 1], 4, 0, 0, [0] * 10, list(range(len(present))))
 
-    def call(a=a, a_scale=a_scale, b_scale=b_scale, bias=bias, relu=True, out_dtype=torch.bfloat16, fast=False):
-        return ext.scaled_gemm(a, b, a_scale, b_scale, bias, relu, out_dtype, sg._OUT_DTYPE_CODES[out_dtype],
-                               out_scale, fast, cuda_only=False)
+    def call(a=a, a_scale=a_scale, b_scale=b_scale, bias=bias, relu=True, out_dtype=torch.bfloat16, fast=False,
+             operands=torch.int8):
+        return ext.scaled_gemm(a, b, a_scale, b_scale, bias, relu, operands, out_dtype,
+                               sg._OUT_DTYPE_CODES[out_dtype], out_scale, fast, cuda_only=False)
 
     launch_failed = (RuntimeError, torch.AcceleratorError)  # torch raises the latter for a first CUDA call
     with pytest.raises(launch_failed, match="CUDA"):  # found, then launched: a CPU has no CUDA driver
@@ -173,11 +174,15 @@ def test_the_quantized_gemm_call_finds_the_plan_python_registered(ext, quantized
     assert call(relu=False) is None and call(fast=True) is None and call(bias=None) is None  # other keys
     assert call(out_dtype=torch.float16) is None
     assert call(a=a.to(torch.float8_e4m3fn)) is None  # b is int8: the dtypes differ
+    # The key names the operands' dtypes, not the op: fp8_matmul given int8 operands must reach Python (a TypeError)
+    assert call(operands=torch.float8_e4m3fn) is None
     assert call(bias=bias.float()) is None  # a bias dtype not planned
-    assert ext.scaled_gemm(a, b, None, None, None, False, torch.int32, sg._OUT_DTYPE_CODES[torch.int32], None, False,
-                           cuda_only=False) is None  # unscaled: the raw accumulators stay Python's
-    assert ext.scaled_gemm(a, b, a_scale, b_scale, bias, True, torch.bfloat16, code, out_scale, False) is None  # CPU
-    assert ext.scaled_gemm(a, b, a_scale, b_scale, bias, True, "bf16", code, out_scale, False, cuda_only=False) is None
+    assert ext.scaled_gemm(a, b, None, None, None, False, torch.int8, torch.int32, sg._OUT_DTYPE_CODES[torch.int32],
+                           None, False, cuda_only=False) is None  # unscaled: the raw accumulators stay Python's
+    assert ext.scaled_gemm(a, b, a_scale, b_scale, bias, True, torch.int8, torch.bfloat16, code, out_scale,
+                           False) is None  # a CPU tensor
+    assert ext.scaled_gemm(a, b, a_scale, b_scale, bias, True, torch.int8, "bf16", code, out_scale, False,
+                           cuda_only=False) is None
     ext.clear_plans()
 
 

@@ -1230,8 +1230,8 @@ def test_the_quantized_gemm_tries_the_cpp_call_first_and_only_where_it_may(monke
     a, b, a_scale, b_scale = _operands(6, 32, 8, "int8", "cpu")
     expected = int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32, backend="torch")
     assert torch.equal(int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32), expected)  # None: Python's
-    assert len(asked) == 1 and asked[0][5:10] == (True, torch.float32, scaled_gemm._OUT_DTYPE_CODES[torch.float32],
-                                                  None, False)
+    assert len(asked) == 1 and asked[0][5:11] == (True, torch.int8, torch.float32,
+                                                  scaled_gemm._OUT_DTYPE_CODES[torch.float32], None, False)
     answer["out"] = sentinel = torch.full((6, 8), 7.0)
     assert int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32) is sentinel
     int8_matmul(a, b, a_scale, b_scale, None, True, torch.float32, backend="torch")
@@ -1241,6 +1241,10 @@ def test_the_quantized_gemm_tries_the_cpp_call_first_and_only_where_it_may(monke
     with pytest.raises(TypeError, match="fast_accum"):
         fp8_matmul(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), a_scale, b_scale, fast_accum=None)
     assert len(asked) == 2
+    answer["out"] = None
+    with pytest.raises(TypeError, match="must both be"):  # the op's operand dtype goes with the call: C++ declines it
+        fp8_matmul(a, b, a_scale, b_scale, None, True, torch.float32)
+    assert asked[-1][6] == torch.float8_e4m3fn
 
 
 @pytest.mark.gpu

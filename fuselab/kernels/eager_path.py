@@ -76,14 +76,16 @@ def sparse_adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: to
 
 
 def scaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype, out_dtype_code: int,
-                out_scale: Optional[torch.Tensor], fast_accum: bool) -> Optional[torch.Tensor]:
+                bias: Optional[torch.Tensor], relu: bool, operand_dtype: torch.dtype, out_dtype: torch.dtype,
+                out_dtype_code: int, out_scale: Optional[torch.Tensor], fast_accum: bool) -> Optional[torch.Tensor]:
     """The quantized GEMM's eager call (``fuselab.quant._scaled_gemm.call``: rows flattened, scales as vectors,
     the output, the planned launch) in one C++ call, or None where the Python path must serve it (and check it):
-    no plan for these layouts yet, no scales, tensor subclasses, modes, tracing."""
+    no plan for these layouts yet, no scales, operands not of ``operand_dtype`` (the op's: the key does not name the
+    op), tensor subclasses, modes, tracing."""
     if torch.compiler.is_compiling() or extension is None:
         return None
-    return extension.scaled_gemm(a, b, a_scale, b_scale, bias, relu, out_dtype, out_dtype_code, out_scale, fast_accum)
+    return extension.scaled_gemm(a, b, a_scale, b_scale, bias, relu, operand_dtype, out_dtype, out_dtype_code,
+                                 out_scale, fast_accum)
 
 
 def launch_planned(key_ints: Sequence[int], tensors: Sequence[Optional[torch.Tensor]]) -> bool:

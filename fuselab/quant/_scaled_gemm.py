@@ -425,19 +425,19 @@ def _as_vector(scale: Optional[torch.Tensor], shape: Tuple[int, ...], what: str)
     return scale.reshape(n)
 
 
-def call(op, torch_forward: Callable, check_for_triton: Callable, a: torch.Tensor, b: torch.Tensor,
-         a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-         relu: bool, out_dtype: torch.dtype, backend: str, out_scale: Optional[torch.Tensor] = None,
-         fast_accum: Optional[bool] = None) -> torch.Tensor:
+def call(op, torch_forward: Callable, check_for_triton: Callable, operand_dtype: torch.dtype, a: torch.Tensor,
+         b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: Optional[torch.Tensor],
+         bias: Optional[torch.Tensor], relu: bool, out_dtype: torch.dtype, backend: str,
+         out_scale: Optional[torch.Tensor] = None, fast_accum: Optional[bool] = None) -> torch.Tensor:
     """The public functions' body: a layout an eager call planned before is one C++ call (``eager_path.scaled_gemm``:
     the host cost of a repeated call in a model); else (..., K) rows flattened, scales as vectors, then the backend:
     "auto" the op (its eager body without the dispatcher when nothing traces the call), "triton"
-    the kernel, "torch" the op's PyTorch body. ``out_scale`` (the int8 op's) and ``fast_accum`` (the fp8 op's)
-    go to the op only where given."""
+    the kernel, "torch" the op's PyTorch body. ``operand_dtype``: the op's (int8 or fp8 e4m3). ``out_scale`` (the
+    int8 op's) and ``fast_accum`` (the fp8 op's) go to the op only where given."""
     if (backend == "auto" and type(relu) is bool and isinstance(out_dtype, torch.dtype)
             and out_dtype in _OUT_DTYPE_CODES and (fast_accum is None or type(fast_accum) is bool)):
-        out = eager_path.scaled_gemm(a, b, a_scale, b_scale, bias, relu, out_dtype, _OUT_DTYPE_CODES[out_dtype],
-                                     out_scale, bool(fast_accum))
+        out = eager_path.scaled_gemm(a, b, a_scale, b_scale, bias, relu, operand_dtype, out_dtype,
+                                     _OUT_DTYPE_CODES[out_dtype], out_scale, bool(fast_accum))
         if out is not None:
             return out
     if backend not in ("auto", "triton", "torch"):

@@ -100,5 +100,5 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor]
     check_fast_accum("fp8_matmul", fast_accum)  # before call(), which takes None for "not given"
     if out_dtype is None:
         out_dtype = torch.float32
-    return call(torch.ops.fuselab.fp8_matmul_epilogue, _torch_forward, _check_for_triton, a, b, a_scale, b_scale,
-                bias, relu, out_dtype, backend, fast_accum=fast_accum)
+    return call(torch.ops.fuselab.fp8_matmul_epilogue, _torch_forward, _check_for_triton, FP8_DTYPE, a, b, a_scale,
+                b_scale, bias, relu, out_dtype, backend, fast_accum=fast_accum)

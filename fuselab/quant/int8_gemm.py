@@ -109,5 +109,5 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor
     """
     if out_dtype is None:
         out_dtype = torch.int32 if a_scale is None else torch.float32
-    return call(torch.ops.fuselab.int8_matmul_epilogue, _torch_forward, _check_inputs, a, b, a_scale, b_scale,
-                bias, relu, out_dtype, backend, out_scale)
+    return call(torch.ops.fuselab.int8_matmul_epilogue, _torch_forward, _check_inputs, torch.int8, a, b, a_scale,
+                b_scale, bias, relu, out_dtype, backend, out_scale)

@@ -337,8 +337,8 @@ Tensor scale_vector(const Tensor& scale, c10::IntArrayRef shape, int64_t n, bool
 // what is checked here is what the key leaves out: tensor kinds, modes, devices, scale shapes. None where
 // Python must serve the call: an unscaled GEMM, an empty one, a layout not planned yet, anything unusual.
 py::object scaled_gemm(py::handle a_obj, py::handle b_obj, py::handle a_scale_obj, py::handle b_scale_obj,
-                       py::handle bias_obj, bool relu, py::handle out_dtype_obj, int64_t out_dtype_code,
-                       py::handle out_scale_obj, bool fast_accum, bool cuda_only) {
+                       py::handle bias_obj, bool relu, py::handle operand_dtype_obj, py::handle out_dtype_obj,
+                       int64_t out_dtype_code, py::handle out_scale_obj, bool fast_accum, bool cuda_only) {
   const Tensor* a_ptr = plain_tensor(a_obj);
   const Tensor* b_ptr = plain_tensor(b_obj);
   const Tensor* a_scale_ptr = plain_tensor(a_scale_obj);
@@ -346,13 +346,17 @@ py::object scaled_gemm(py::handle a_obj, py::handle b_obj, py::handle a_scale_ob
   const Tensor* bias = bias_obj.is_none() ? nullptr : plain_tensor(bias_obj);
   const Tensor* out_scale = out_scale_obj.is_none() ? nullptr : plain_tensor(out_scale_obj);
   if (!a_ptr || !b_ptr || !a_scale_ptr || !b_scale_ptr || (!bias_obj.is_none() && !bias) ||
-      (!out_scale_obj.is_none() && !out_scale) || !THPDtype_Check(out_dtype_obj.ptr())) {
+      (!out_scale_obj.is_none() && !out_scale) || !THPDtype_Check(out_dtype_obj.ptr()) ||
+      !THPDtype_Check(operand_dtype_obj.ptr())) {
     return py::none();
   }
   if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled()) {
     return py::none();
   }
   const Tensor &a = *a_ptr, &b = *b_ptr;
+  // The op's operand dtype: the key names the operands' dtypes, not which op was called (the other op refuses them)
+  at::ScalarType operands = reinterpret_cast<THPDtype*>(operand_dtype_obj.ptr())->scalar_type;
+  if (a.scalar_type() != operands || b.scalar_type() != operands || a.is_nested() || b.is_nested()) return py::none();
   if ((cuda_only && !a.is_cuda()) || a.dim() < 1 || b.dim() != 2 || b.size(0) != a.size(-1)) return py::none();
   for (const Tensor* t : {&a, &b, a_scale_ptr, b_scale_ptr, bias, out_scale}) {
     if (t && (t->device() != a.device() || t->layout() != at::kStrided || transformed(*t))) return py::none();
@@ -577,7 +581,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_plan", &has_plan);
   m.def("launch_planned", &launch_planned);
   m.def("scaled_gemm", &scaled_gemm, py::arg("a"), py::arg("b"), py::arg("a_scale"), py::arg("b_scale"),
-        py::arg("bias"), py::arg("relu"), py::arg("out_dtype"), py::arg("out_dtype_code"), py::arg("out_scale"),
+        py::arg("bias"), py::arg("relu"), py::arg("operand_dtype"), py::arg("out_dtype"), py::arg("out_dtype_code"),
+        py::arg("out_scale"),
         py::arg("fast_accum"), py::arg("cuda_only") = true);
   m.def("gemm", [](const Tensor& a, const Tensor& b, const Tensor& c, std::optional<Tensor> bias, bool relu) {
     gemm(a, b, c, bias ? &*bias : nullptr, relu);  // a planned GEMM as the autograd node runs it (tests)

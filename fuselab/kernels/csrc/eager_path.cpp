@@ -582,8 +582,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_planned", &launch_planned);
   m.def("scaled_gemm", &scaled_gemm, py::arg("a"), py::arg("b"), py::arg("a_scale"), py::arg("b_scale"),
         py::arg("bias"), py::arg("relu"), py::arg("operand_dtype"), py::arg("out_dtype"), py::arg("out_dtype_code"),
-        py::arg("out_scale"),
-        py::arg("fast_accum"), py::arg("cuda_only") = true);
+        py::arg("out_scale"), py::arg("fast_accum"), py::arg("cuda_only") = true);
   m.def("gemm", [](const Tensor& a, const Tensor& b, const Tensor& c, std::optional<Tensor> bias, bool relu) {
     gemm(a, b, c, bias ? &*bias : nullptr, relu);  // a planned GEMM as the autograd node runs it (tests)
   });

@@ -1691,6 +1691,29 @@ def test_forward_mode_ad_through_a_quantized_layer_raises(config):
         torch.func.jvp(conv, (torch.randn(1, 2, 5, 5),), (torch.randn(1, 2, 5, 5),))
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_forward_mode_ad_through_the_op_carries_the_scales_and_bias_tangents(kind):
+    # The op's direct Triton path (the interpreter here, CUDA on a GPU) returned no tangent for a dual scale or
+    # bias: silently zero. Under a dual level the op computes by PyTorch's ops, whose tangents are exact.
+    matmul = int8_matmul if kind == "int8" else fp8_matmul
+    a, b, a_scale, b_scale = _operands(6, 32, 8, kind, "cpu")
+    bias = torch.randn(8)
+    tangents = (torch.randn_like(a_scale), torch.randn_like(b_scale), torch.randn_like(bias))
+
+    def f(a_scale, b_scale, bias):
+        return matmul(a, b, a_scale, b_scale, bias, True, torch.float32)
+
+    out, tangent = torch.func.jvp(f, (a_scale, b_scale, bias), tangents)
+    expected, expected_tangent = torch.func.jvp(
+        lambda *s: matmul(a, b, *s, True, torch.float32, backend="torch"), (a_scale, b_scale, bias), tangents)
+    torch.testing.assert_close(tangent, expected_tangent)
+    assert tangent.abs().sum() > 0
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(a_scale, tangents[0])
+        tangent = torch.autograd.forward_ad.unpack_dual(f(dual, b_scale, bias)).tangent
+    assert tangent is not None and tangent.abs().sum() > 0
+
+
 def test_reverse_mode_transforms_and_jit_trace_say_a_quantized_layer_has_no_backward():
     # torch.func.grad/jacrev raised torch's "must override the setup_context staticmethod"; torch.jit.trace
     # with a grad-requiring input failed inside torch ("unordered_map::at")

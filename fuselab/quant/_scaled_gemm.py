@@ -32,6 +32,7 @@ from fuselab.kernels._runtime import (
     check_same_device,
     execution_path,
     has_tma,
+    in_dual_level,
     launch,
     launch_planned,
     max_shared_memory,
@@ -433,7 +434,10 @@ def call(op, torch_forward: Callable, check_for_triton: Callable, operand_dtype:
     the host cost of a repeated call in a model); else (..., K) rows flattened, scales as vectors, then the backend:
     "auto" the op (its eager body without the dispatcher when nothing traces the call), "triton"
     the kernel, "torch" the op's PyTorch body. ``operand_dtype``: the op's (int8 or fp8 e4m3). ``out_scale`` (the
-    int8 op's) and ``fast_accum`` (the fp8 op's) go to the op only where given."""
+    int8 op's) and ``fast_accum`` (the fp8 op's) go to the op only where given. Under forward-mode AD "auto" is
+    "torch": a custom op has no forward-mode formula, PyTorch's ops carry the scales' and bias' tangents."""
+    if backend == "auto" and in_dual_level():
+        backend = "torch"
     if (backend == "auto" and type(relu) is bool and isinstance(out_dtype, torch.dtype)
             and out_dtype in _OUT_DTYPE_CODES and (fast_accum is None or type(fast_accum) is bool)):
         out = eager_path.scaled_gemm(a, b, a_scale, b_scale, bias, relu, operand_dtype, out_dtype,

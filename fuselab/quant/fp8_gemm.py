@@ -95,7 +95,8 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor]
     precision (``torch._scaled_mm``'s ``use_fast_accum``: faster, less exact; ``check_fast_accum``); False adds
     each K tile's sum into fp32. ``backend="torch"`` is an fp32 GEMM of the upcast operands and a separate
     epilogue. Raises RuntimeError on a CUDA GPU without fp8 tensor cores (below sm_89).
-    Inference only: the op has no derivative.
+    Inference only: the op has no backward (under forward-mode AD it runs PyTorch's ops, which carry the
+    scales' and bias' tangents).
     """
     check_fast_accum("fp8_matmul", fast_accum)  # before call(), which takes None for "not given"
     if out_dtype is None:

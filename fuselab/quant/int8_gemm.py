@@ -105,7 +105,8 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor
             (the kernel) or "torch" (``torch._int_mm`` and the epilogue as separate PyTorch ops:
             the unfused peer).
     Returns (..., N). Raises ValueError/TypeError naming the bad shapes, dtypes or devices.
-    Inference only: the op has no derivative.
+    Inference only: the op has no backward (under forward-mode AD it runs PyTorch's ops, which carry the
+    scales' and bias' tangents).
     """
     if out_dtype is None:
         out_dtype = torch.int32 if a_scale is None else torch.float32

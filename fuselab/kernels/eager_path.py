@@ -44,7 +44,8 @@ GEMM_KIND = 1
 # The first int of a SparseAdamW launch's key and its launch indices (sort, segment, crossing); eager_path.cpp's.
 SPARSE_ADAMW_KIND = 2
 SPARSE_ADAMW_LAUNCHES = (0, 100, 101)
-# The first int of the quantized GEMM's key (fuselab.quant._scaled_gemm), launched by ``launch_planned``.
+# The first int of the quantized GEMM's key (fuselab.quant._scaled_gemm), launched by ``scaled_gemm`` and
+# ``launch_planned``.
 SCALED_GEMM_KIND = 3
 # The library calls a plan may stand for (``_autotune.LibraryChoice`` names), as eager_path.cpp numbers them.
 LIBRARY_CALLS = {"cublas": 1}

@@ -44,7 +44,7 @@ constexpr int kLibraryCublas = 1;
 // The first int of a SparseAdamW launch's key (then device, launch index, maximize, the update's constants).
 constexpr int64_t kSparseAdamWKind = 2;
 // The first int of the quantized GEMM's key (then device, relu, output dtype, fast_accum): _scaled_gemm.py's,
-// launched through `launch_planned` below.
+// launched through `scaled_gemm` and `launch_planned` below.
 constexpr int64_t kScaledGemmKind = 3;
 
 using Key = std::vector<int64_t>;
@@ -321,6 +321,17 @@ py::object matmul_relu(py::handle a_obj, py::handle w_obj, py::handle bias_obj, 
 // The quantized GEMM's eager call (fuselab.quant._scaled_gemm.call): rows, scales, output, planned launch
 // ---------------------------------------------------------------------------------------------
 
+// The kernel plan stored under `key` and the layouts of `arguments` (a kernel's tensor arguments in order, nullptr
+// for an absent one), launched on them; false, with nothing launched, where there is none (a library plan included:
+// Python repeats its call).
+bool launch_by_layout(Key key, const std::vector<const Tensor*>& arguments) {
+  for (const Tensor* t : arguments) append_layout(key, t);
+  auto plan = find_plan(key);
+  if (plan == nullptr || plan->library != 0) return false;
+  launch(*plan, arguments);
+  return true;
+}
+
 // A scale as _scaled_gemm._as_vector makes it for `n` rows or columns (`shape`: a's leading dims, or (N,)):
 // one value for all (stride 0), or one each given as `shape`, (n,), (*shape, 1) or, for b, (1, n); undefined
 // for any other shape (Python names it).
@@ -371,13 +382,10 @@ py::object scaled_gemm(py::handle a_obj, py::handle b_obj, py::handle a_scale_ob
   Tensor a2 = a.dim() == 2 ? a : a.reshape({m, k});
   at::ScalarType result = out_scale ? at::kChar : reinterpret_cast<THPDtype*>(out_dtype_obj.ptr())->scalar_type;
   Tensor c = at::empty({m, n}, a.options().dtype(result));
-  Key key{kScaledGemmKind, a.get_device(), relu, out_dtype_code, fast_accum};
-  key.reserve(96);
-  const std::vector<const Tensor*> arguments{&a2, &b, &c, &a_scale, &b_scale, bias, out_scale};
-  for (const Tensor* t : arguments) append_layout(key, t);
-  auto plan = find_plan(key);
-  if (plan == nullptr || plan->library != 0) return py::none();
-  launch(*plan, arguments);
+  if (!launch_by_layout({kScaledGemmKind, a.get_device(), relu, out_dtype_code, fast_accum},
+                        {&a2, &b, &c, &a_scale, &b_scale, bias, out_scale})) {
+    return py::none();
+  }
   return py::cast(a.dim() == 2 ? c : c.view(with_last(a, n)));
 }
 
@@ -530,21 +538,12 @@ bool register_library_plan(std::vector<int64_t> key_ints, std::vector<std::optio
   return cleared;
 }
 
-// The kernel plan stored under `key_ints` and the layouts of `tensors` (the kernel's tensor arguments in order,
-// None for an absent one), launched on them; false, with nothing launched, where there is none (a library plan
-// included: Python repeats its call).
+// launch_by_layout from Python (the quantized GEMM's calls that eager_path.scaled_gemm does not serve).
 bool launch_planned(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> tensors) {
-  Key key = std::move(key_ints);
   std::vector<const Tensor*> arguments;
   arguments.reserve(tensors.size());
-  for (auto& t : tensors) {
-    append_layout(key, t ? &*t : nullptr);
-    arguments.push_back(t ? &*t : nullptr);
-  }
-  auto plan = find_plan(key);
-  if (plan == nullptr || plan->library != 0) return false;
-  launch(*plan, arguments);
-  return true;
+  for (auto& t : tensors) arguments.push_back(t ? &*t : nullptr);
+  return launch_by_layout(std::move(key_ints), arguments);
 }
 
 bool has_plan(std::vector<int64_t> key_ints, std::vector<std::optional<Tensor>> key_tensors) {
